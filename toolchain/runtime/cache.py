@@ -1,0 +1,127 @@
+"""The KV cache manager: one implementation of cache rows, masks and RoPE inputs for every policy.
+
+It owns fixed-length K/V buffers in the step-graph layout (keys [Hkv,1,D,CL], values
+[Hkv,1,CL,D]); committed tokens occupy slots [0, length). A call of a width-N graph sees the
+first CL-N slots as its past and returns N new rows; `commit` scatters the rows of accepted
+tokens into the next free slots and everything else is simply never written (discarded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from toolchain.capture import MASK_MIN, StepLayout
+
+
+class CacheFullError(RuntimeError):
+    pass
+
+
+class KVCache:
+    def __init__(self, layout: StepLayout, rope: dict[str, np.ndarray], context: int | None = None):
+        self.layout = layout
+        self.context = context or layout.context
+        self.rope = rope
+        shape_k = (layout.n_kv, 1, layout.head_dim, self.context)
+        shape_v = (layout.n_kv, 1, self.context, layout.head_dim)
+        self.keys = [np.zeros(shape_k, np.float32) for _ in range(layout.n_layers)]
+        self.values = [np.zeros(shape_v, np.float32) for _ in range(layout.n_layers)]
+        self.length = 0  # committed tokens; token at slot s has position s
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def free(self, width: int) -> int:
+        """How many more tokens a width-N call can still see as past."""
+        return self.context - width - self.length
+
+    # ---- graph inputs -------------------------------------------------------------------------
+    def past(self, width: int) -> dict[str, np.ndarray]:
+        if self.length > self.context - width:
+            raise CacheFullError(
+                f"cache holds {self.length} tokens; a width-{width} call needs at most "
+                f"{self.context - width} (context {self.context})"
+            )
+        past_len = self.context - width
+        feeds = {}
+        for i in range(self.layout.n_layers):
+            feeds[f"past_key_{i}"] = np.ascontiguousarray(self.keys[i][..., :past_len])
+            feeds[f"past_value_{i}"] = np.ascontiguousarray(self.values[i][:, :, :past_len])
+        return feeds
+
+    def positions(self, depths: Sequence[int]) -> np.ndarray:
+        return self.length + np.asarray(depths, dtype=np.int64)
+
+    def rope_inputs(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        n = len(positions)
+        feeds = {}
+        for kind in self.layout.rope_kinds:
+            sfx = StepLayout.suffix(kind)
+            half = self.layout.head_dim // 2
+            feeds[f"position_cos{sfx}"] = self.rope[f"cos{sfx}"][positions].reshape(1, 1, n, half)
+            feeds[f"position_sin{sfx}"] = self.rope[f"sin{sfx}"][positions].reshape(1, 1, n, half)
+        return feeds
+
+    def masks(self, width: int, allowed_new: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """Additive masks [1,1,N,CL] per layer kind.
+
+        allowed_new [N,N] bool says which new token may attend to which (causal, tree ancestors,
+        bidirectional block); every query sees all committed slots, limited by the sliding window
+        for sliding layers.
+        """
+        n, cl = width, self.context
+        past_len = cl - n
+        allowed = np.zeros((n, cl), dtype=bool)
+        allowed[:, : self.length] = True
+        allowed[:, past_len:] = allowed_new
+        key_pos = np.full(cl, -(10**9), dtype=np.int64)
+        key_pos[: self.length] = np.arange(self.length)
+        key_pos[past_len:] = positions
+        feeds = {}
+        for kind in self.layout.kinds:
+            ok = allowed
+            if kind == "sliding" and self.layout.sliding_window:
+                ok = allowed & ((positions[:, None] - key_pos[None, :]) < self.layout.sliding_window)
+            mask = np.where(ok, 0.0, MASK_MIN).astype(np.float32)
+            feeds[f"attention_mask{StepLayout.suffix(kind)}"] = mask.reshape(1, 1, n, cl)
+        return feeds
+
+    def step_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
+                    depths: Sequence[int] | None = None, pad_token: int = 0) -> dict[str, np.ndarray]:
+        """All inputs of a width-N call for len(tokens) <= N new tokens (the rest is padding).
+
+        Default structure is causal over the real tokens; padding rows see only themselves.
+        """
+        k = len(tokens)
+        if k > width:
+            raise ValueError(f"{k} tokens do not fit a width-{width} graph")
+        if allowed_new is None:
+            allowed_new = np.tril(np.ones((k, k), dtype=bool))
+        if depths is None:
+            depths = range(k)
+        full = np.eye(width, dtype=bool)
+        full[:k, :k] = allowed_new
+        positions = np.concatenate([self.positions(depths), self.length + np.arange(k, width)])
+        positions = np.minimum(positions, self.context - 1)
+        ids = np.full((1, width), pad_token, dtype=np.int32)
+        ids[0, :k] = tokens
+        feeds = {"input_ids": ids}
+        feeds.update(self.masks(width, full, positions))
+        feeds.update(self.rope_inputs(positions))
+        feeds.update(self.past(width))
+        return feeds
+
+    # ---- cache update -------------------------------------------------------------------------
+    def commit(self, new_rows: dict[str, np.ndarray], accepted: Sequence[int]) -> None:
+        """Scatter the new rows at indices `accepted` (in order) into the next free slots."""
+        idx = np.asarray(accepted, dtype=np.int64)
+        m = len(idx)
+        if self.length + m > self.context:
+            raise CacheFullError(f"committing {m} tokens overflows the context ({self.context})")
+        s = slice(self.length, self.length + m)
+        for i in range(self.layout.n_layers):
+            self.keys[i][..., s] = new_rows[f"new_key_{i}"][..., idx]
+            self.values[i][:, :, s] = new_rows[f"new_value_{i}"][:, :, idx]
+        self.length += m
