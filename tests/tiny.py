@@ -1,0 +1,81 @@
+"""Tiny models of every supported architecture, built from configs (no downloads), plus a real tokenizer."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 512
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def tiny_config(family: str):
+    if family == "llama":
+        return LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2)
+    if family == "qwen2":
+        return Qwen2Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2)
+    if family == "qwen3":
+        return Qwen3Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
+    if family == "gemma3":
+        return Gemma3TextConfig(**COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=32,
+                                sliding_window=8, layer_types=["sliding_attention", "sliding_attention",
+                                                               "full_attention"],
+                                query_pre_attn_scalar=32)
+    raise ValueError(family)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
+
+
+def tiny_model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager").eval()
+    # random init gives near-uniform logits; larger weights make argmax decisions meaningful
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return model
+
+
+@lru_cache(maxsize=1)
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in a second on the standard library's own source."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([Path(os.__file__).read_text()], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny(folder: Path, family: str, seed: int = 0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_model(family, seed).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def write_recipe(path: Path, model_dir: Path, name: str = "tiny", graphs: str | None = None,
+                 extra: str = "") -> Path:
+    graphs = graphs or "  decode: {width: 1, context: 64}\n  prefill: {width: 8, context: 64}\n"
+    path.write_text(
+        f"name: {name}\nsource: {{path: {model_dir}}}\ngraphs:\n{graphs}"
+        f"verify: {{greedy_tokens: 12}}\noutput: {path.parent / 'out' / name}\n{extra}"
+    )
+    return path

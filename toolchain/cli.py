@@ -1,0 +1,140 @@
+"""The `mobc` command line. User errors print one clear message and exit 2 (traceback with --debug)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from toolchain.errors import MobcError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Compile Hugging Face LMs into verified NPU step graphs and decode them fast.")
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="show full tracebacks for errors")) -> None:
+    _state["debug"] = debug
+
+
+class RichReporter:
+    """Stage-by-stage progress: a spinner while a stage runs, a check mark and seconds after."""
+
+    def __init__(self) -> None:
+        self._status = None
+
+    def start(self, stage: str) -> None:
+        self._status = console.status(f"[bold]{stage}[/]...")
+        self._status.start()
+
+    def done(self, stage: str, seconds: float, detail: str = "") -> None:
+        if self._status is not None:
+            self._status.stop()
+        extra = f" [dim]{detail}[/]" if detail else ""
+        console.print(f"[green]✓[/] {stage}{extra} [dim]({seconds:.1f} s)[/]")
+
+    def stop(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+
+
+@app.command()
+def compile(
+    recipe: Path = typer.Argument(..., help="recipe YAML, e.g. recipes/smollm2-135m.yaml"),
+    out: Path | None = typer.Option(None, "--out", help="artifact folder (default: the recipe's output)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing artifact folder"),
+) -> None:
+    """Compile a recipe into verified step graphs in exported/<name>/."""
+    from toolchain.pipeline import Reporter, compile_recipe
+
+    class _R(RichReporter, Reporter):
+        pass
+
+    reporter = _R()
+    t = time.perf_counter()
+    try:
+        result = compile_recipe(recipe, out=out, force=force, reporter=reporter)
+    finally:
+        reporter.stop()
+    v = result.manifest["verification"]
+    worst = max(f["worst_max_abs"] for f in v["families"].values())
+    console.print(
+        f"[bold green]compiled[/] {result.manifest['name']} -> [bold]{result.out_dir}[/] in "
+        f"{time.perf_counter() - t:.0f} s; worst |diff| vs transformers {worst:.2e}"
+        + (", greedy identical" if v.get("greedy", {}).get("identical") else "")
+    )
+
+
+@app.command()
+def inspect(artifact: Path = typer.Argument(..., help="artifact folder written by mobc compile")) -> None:
+    """Show an artifact's graphs, I/O, sizes, passes and verification as tables."""
+    from toolchain.artifacts import load_manifest
+    from toolchain.report import (
+        graphs_rows,
+        io_rows,
+        pass_rows,
+        rich_table,
+        timing_rows,
+        verification_rows,
+    )
+
+    m = load_manifest(artifact)
+    model = m["model"]
+    console.print(f"[bold]{m['name']}[/]  source {m['source']['description']}  ({model['family']}, "
+                  f"{model['n_layers']} layers, weights {m['weights']['bytes'] / 1e6:,.1f} MB shared)")
+    console.print(rich_table("Graphs", graphs_rows(m)))
+    seen_io = set()
+    for g in m["graphs"]:
+        key = (tuple(i["name"] for i in g["inputs"]), g["role"] == "lm_head")
+        if key in seen_io and g["stage"] == 0:
+            continue
+        seen_io.add(key)
+        console.print(rich_table(f"{g['name']}: inputs and outputs", io_rows(g)))
+    console.print(rich_table("Verification against transformers", verification_rows(m)))
+    greedy = m.get("verification", {}).get("greedy")
+    if greedy:
+        console.print(f"greedy {greedy['tokens']} tokens: "
+                      + ("[green]identical to generate[/]" if greedy["identical"] else "[red]diverges[/]"))
+    if m.get("passes"):
+        console.print(rich_table("Passes", pass_rows(m)))
+    for extra in m.get("inspect_tables", []):
+        console.print(rich_table(extra["title"], (extra["head"], extra["rows"])))
+    console.print(rich_table("Timings", timing_rows(m)))
+
+
+@app.command()
+def verify(artifact: Path = typer.Argument(..., help="artifact folder written by mobc compile")) -> None:
+    """Re-run the numeric checks of an artifact against its source model."""
+    from toolchain.reverify import reverify
+
+    reporter = RichReporter()
+    try:
+        ok = reverify(artifact, reporter)
+    finally:
+        reporter.stop()
+    if not ok:
+        raise typer.Exit(1)
+    console.print(f"[bold green]verified[/] {artifact}")
+
+
+def main() -> None:
+    try:
+        app()
+    except MobcError as exc:
+        if _state["debug"]:
+            raise
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("[red]interrupted[/]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Runs the recipe's passes over a GraphSet and proves each one kept the numerics.
+
+For every pass, in recipe order: apply it (model-level passes to every graph of every family,
+graph-level passes once per family on the GraphSet), check its `ensures`, run every family's
+chain in onnxruntime CPU on the same feeds, and compare each output with what the chain
+produced before the pass. The "before" outputs of pass k are the "after" outputs of pass k-1,
+so each pass costs one chain run per family. A diff above the tolerance raises PassError naming
+the pass, the family and the worst output. Rows are plain JSON (manifest.json "passes").
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+from rich.table import Table
+
+from passes.registry import build
+from toolchain.errors import MobcError, PassError
+from toolchain.graphset import GraphEntry, GraphSet, run_chain
+
+Feeds = dict[str, dict[str, np.ndarray]]
+
+
+def ort_run(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One graph on the onnxruntime CPU EP (the reference every pass is checked on)."""
+    proto = ir.serde.serialize_model(entry.model)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    try:
+        sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise PassError(f"graph {entry.name!r} does not load in onnxruntime: {exc}") from exc
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+def _stats(gs: GraphSet) -> tuple[dict[str, int], int]:
+    ops: Counter[str] = Counter()
+    seen: set[int] = set()
+    nbytes = 0
+    for e in gs.entries.values():
+        ops.update(n.op_type for n in e.model.graph)
+        for v in e.model.graph.initializers.values():
+            t = v.const_value
+            if t is not None and id(t) not in seen:  # weights shared between stages count once
+                seen.add(id(t))
+                nbytes += t.nbytes
+    return dict(sorted(ops.items())), nbytes
+
+
+def _run_all(gs: GraphSet, feeds: Feeds) -> dict[str, dict[str, np.ndarray]]:
+    out = {}
+    for fam in gs.families():
+        if fam not in feeds:
+            raise PassError(f"no verification inputs for graph family {fam!r}")
+        out[fam] = run_chain(gs.chain(fam), feeds[fam], ort_run)
+    return out
+
+
+def _apply(p: Any, gs: GraphSet) -> GraphSet:
+    if getattr(p, "graph_level", False):
+        for fam in gs.families():
+            gs = p.apply(gs, fam)
+            if hasattr(p, "ensures_set"):
+                p.ensures_set(gs, fam)
+        return gs
+    for entry in list(gs.entries.values()):
+        result = p(entry.model)  # onnx_ir's PassBase.__call__ runs requires/call/ensures
+        entry.model = result.model
+    return gs
+
+
+def _compare(name: str, before: dict, after: dict, tolerance: float) -> dict[str, dict[str, float]]:
+    diffs: dict[str, dict[str, float]] = {}
+    worst = (0.0, "", "")
+    for fam, ref in before.items():
+        got = after[fam]
+        missing = sorted(set(ref) - set(got))
+        if missing:
+            raise PassError(f"pass {name!r} removed outputs {missing[:4]} of graph {fam!r}")
+        diffs[fam] = {}
+        for out, a in ref.items():
+            b = got[out]
+            if a.shape != b.shape:
+                raise PassError(f"pass {name!r} changed the shape of {fam}.{out}: {a.shape} -> {b.shape}")
+            d = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+            if not np.isfinite(d):
+                d = float("inf")
+            diffs[fam][out] = d
+            if d > worst[0] or worst[1] == "":
+                worst = (d, fam, out)
+    if worst[0] > tolerance:
+        raise PassError(
+            f"pass {name!r} changed graph {worst[1]!r} output {worst[2]!r} by {worst[0]:.3g} "
+            f"(tolerance {tolerance:g}); remove the pass from the recipe or report a mobc bug"
+        )
+    return diffs
+
+
+def run_passes(
+    graphset: GraphSet,
+    specs: list,
+    tolerance: float,
+    feeds: Feeds,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[GraphSet, list[dict]]:
+    """Applies `specs` (recipe pass list) in order; returns the new GraphSet and one row per pass."""
+    passes = [build(spec, i) for i, spec in enumerate(specs)]
+    rows: list[dict] = []
+    before = _run_all(graphset, feeds)
+    for p in passes:
+        name = p.pass_name
+        if progress:
+            progress(f"pass {name}")
+        ops_before, bytes_before = _stats(graphset)
+        graphs_before = sorted(graphset.entries)
+        t0 = time.perf_counter()
+        try:
+            graphset = _apply(p, graphset)
+        except MobcError:
+            raise
+        except Exception as exc:
+            raise PassError(f"pass {name!r} failed: {type(exc).__name__}: {exc}") from exc
+        seconds = time.perf_counter() - t0
+        after = _run_all(graphset, feeds)
+        diffs = _compare(name, before, after, tolerance)
+        ops_after, bytes_after = _stats(graphset)
+        worst_fam, worst_out, worst = "", "", 0.0
+        for fam, d in diffs.items():
+            for out, v in d.items():
+                if v >= worst:
+                    worst_fam, worst_out, worst = fam, out, v
+        options = p.config.model_dump(mode="json") if hasattr(p, "config") else {}
+        rows.append(
+            {
+                "pass": name,
+                "options": options,
+                "seconds": round(seconds, 3),
+                "graphs_before": graphs_before,
+                "graphs_after": sorted(graphset.entries),
+                "ops_before": ops_before,
+                "ops_after": ops_after,
+                "nodes_before": sum(ops_before.values()),
+                "nodes_after": sum(ops_after.values()),
+                "weight_bytes_before": bytes_before,
+                "weight_bytes_after": bytes_after,
+                "max_abs_diff": diffs,
+                "worst": {"family": worst_fam, "output": worst_out, "diff": worst},
+            }
+        )
+        before = after
+    return graphset, rows
+
+
+def _ops_delta(before: dict[str, int], after: dict[str, int], limit: int = 6) -> str:
+    changes = []
+    for op in sorted(set(before) | set(after)):
+        a, b = before.get(op, 0), after.get(op, 0)
+        if a != b:
+            changes.append((abs(b - a), f"{op} {a}->{b}"))
+    changes.sort(key=lambda c: -c[0])
+    text = ", ".join(c for _, c in changes[:limit])
+    return text + (f" (+{len(changes) - limit} more)" if len(changes) > limit else "") or "-"
+
+
+def format_pass_table(rows: list[dict]) -> Table:
+    """The per-pass table `mobc inspect` and the report print."""
+    table = Table(title="passes")
+    for col in ("pass", "graphs", "nodes", "weights MB", "max |diff|", "worst output", "s", "ops changed"):
+        table.add_column(col, justify="right" if col in ("nodes", "weights MB", "max |diff|", "s") else "left")
+    for r in rows:
+        worst = r["worst"]
+        table.add_row(
+            r["pass"],
+            str(len(r["graphs_after"])),
+            f"{r['nodes_before']}->{r['nodes_after']}",
+            f"{r['weight_bytes_before'] / 1e6:.1f}->{r['weight_bytes_after'] / 1e6:.1f}",
+            f"{worst['diff']:.2e}",
+            f"{worst['family']}.{worst['output']}",
+            f"{r['seconds']:.2f}",
+            _ops_delta(r["ops_before"], r["ops_after"]),
+        )
+    return table

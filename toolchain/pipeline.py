@@ -1,0 +1,201 @@
+"""The compile pipeline: recipe -> source -> capture/export -> passes -> emit -> verify -> manifest.
+
+Each stage is a plain function call; `Reporter` receives stage start/finish events so the CLI
+can show progress without the pipeline knowing about terminals.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import passes as pass_registry
+from toolchain import __version__
+from toolchain.artifacts import staging, write_graphs, write_manifest, write_rope
+from toolchain.capture import StepLayout, layout_for, rope_tables
+from toolchain.errors import VerificationError
+from toolchain.export import export_step_graph
+from toolchain.graphset import GraphEntry, GraphSet
+from toolchain.recipe import Recipe, check_against_model, load_recipe
+from toolchain.report import write_report
+from toolchain.runtime.greedy import decode_family, greedy
+from toolchain.runtime.sessions import ArtifactSessions
+from toolchain.source import LoadedModel, load
+from toolchain.verify import (
+    Case,
+    check_tolerance,
+    compare,
+    eos_ids,
+    hf_greedy,
+    real_text,
+    reference_case,
+)
+
+
+class Reporter:
+    """Progress sink; the CLI subclasses it with rich output."""
+
+    def start(self, stage: str) -> None: ...
+
+    def done(self, stage: str, seconds: float, detail: str = "") -> None: ...
+
+
+@dataclass
+class CompileResult:
+    out_dir: Path
+    manifest: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def tool_versions() -> dict[str, str]:
+    import onnx
+    import onnx_ir
+    import onnxruntime
+    import onnxscript
+    import torch
+    import transformers
+
+    return {
+        "mobc": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "onnx": onnx.__version__, "onnx_ir": onnx_ir.__version__,
+        "onnxscript": onnxscript.__version__, "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def model_record(loaded: LoadedModel, layout: StepLayout) -> dict[str, Any]:
+    cfg = loaded.config
+    return {
+        "family": cfg.model_type, "n_layers": layout.n_layers, "n_heads": layout.n_heads,
+        "n_kv": layout.n_kv, "head_dim": layout.head_dim, "hidden": layout.hidden, "vocab": layout.vocab,
+        "layer_kinds": list(layout.layer_kinds), "rope_per_kind": layout.rope_per_kind,
+        "sliding_window": layout.sliding_window, "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_ids": eos_ids(cfg), "bos_token_id": getattr(cfg, "bos_token_id", None),
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "has_chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+    }
+
+
+class _Timer:
+    def __init__(self, reporter: Reporter):
+        self.reporter = reporter
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str, detail: str = "") -> Iterator[None]:
+        self.reporter.start(name)
+        t = time.perf_counter()
+        yield
+        self.timings[name] = round(time.perf_counter() - t, 2)
+        self.reporter.done(name, self.timings[name], detail)
+
+
+def export_graphs(recipe: Recipe, loaded: LoadedModel, timer: _Timer) -> tuple[GraphSet, dict[str, StepLayout]]:
+    graphs, layouts = GraphSet(), {}
+    for name, spec in recipe.graphs.items():
+        layout = layout_for(loaded.config, spec.width, spec.context)
+        with timer.stage(f"export {name} (N={spec.width}, CL={spec.context})"):
+            model = export_step_graph(loaded.model, layout, graph_name=name)
+        graphs.add(GraphEntry(name=name, model=model, family=name, role=recipe.graph_role(name),
+                              width=spec.width, context=spec.context))
+        layouts[name] = layout
+    return graphs, layouts
+
+
+def reference_cases(loaded: LoadedModel, layouts: dict[str, StepLayout], rope: dict) -> dict[str, Case]:
+    tokens = loaded.tokenizer(real_text()).input_ids
+    return {name: reference_case(loaded.model, tokens, lay, rope, seed=i)
+            for i, (name, lay) in enumerate(layouts.items())}
+
+
+def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: dict[str, Case],
+                    timer: _Timer) -> dict[str, Any]:
+    """Numeric checks of the written graphs (files, not in-memory models)."""
+    sessions = ArtifactSessions(folder)
+    families: dict[str, Any] = {}
+    for family, case in cases.items():
+        with timer.stage(f"verify {family} vs transformers"):
+            figures = compare(sessions.run_family(family, case.feeds), case.expected)
+        figures["past_len"], figures["mask"] = case.past_len, "random tree over the new tokens"
+        families[family] = figures
+        check_tolerance(family, figures, recipe.tolerance.max_abs)
+    result: dict[str, Any] = {"tolerance": recipe.tolerance.max_abs, "families": families}
+    n = recipe.verify.greedy_tokens
+    if n:
+        with timer.stage(f"verify greedy {n} tokens vs generate"):
+            ids = loaded.tokenizer(recipe.verify.prompt).input_ids
+            ref = hf_greedy(loaded.model, ids, n)
+            ours = greedy(sessions, ids, n, eos_ids(loaded.config))
+        first_diff = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
+        identical = ours == ref
+        result["greedy"] = {"tokens": n, "prompt_tokens": len(ids), "identical": identical,
+                            "first_mismatch": first_diff, "decode_family": decode_family(sessions),
+                            "reference": ref, "ours": ours}
+        if not identical:
+            raise VerificationError(
+                f"greedy decoding through the emitted graphs diverges from transformers' generate at token "
+                f"{first_diff} (ours {ours[:first_diff + 1]}, generate {ref[:first_diff + 1]})"
+            )
+    return result
+
+
+def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force: bool = False,
+                   reporter: Reporter | None = None) -> CompileResult:
+    reporter = reporter or Reporter()
+    timer = _Timer(reporter)
+    recipe_path = Path(recipe_path)
+    recipe = load_recipe(recipe_path)
+    for i, spec in enumerate(recipe.passes):  # reject bad pass names/options before any work
+        pass_registry.build(spec, i)
+    out_dir = Path(out) if out else recipe.output_dir()
+    if out_dir.exists() and not force:
+        from toolchain.errors import ArtifactError
+
+        raise ArtifactError(f"{out_dir} already exists; pass --force to replace it (or --out another folder)")
+
+    with timer.stage("load model", recipe.source.describe()):
+        loaded = load(recipe.source, base=recipe_path.parent)
+    check_against_model(recipe, getattr(loaded.config, "max_position_embeddings", None))
+    graphs, layouts = export_graphs(recipe, loaded, timer)
+    any_layout = next(iter(layouts.values()))
+    rope = rope_tables(loaded.model, any_layout, max(s.context for s in recipe.graphs.values()))
+    with timer.stage("reference cases (transformers)"):
+        cases = reference_cases(loaded, layouts, rope)
+
+    pass_rows: list[dict[str, Any]] = []
+    if recipe.passes:
+        from toolchain.pass_runner import run_passes
+
+        with timer.stage(f"passes ({len(recipe.passes)})"):
+            graphs, pass_rows = run_passes(graphs, list(recipe.passes), recipe.tolerance.max_abs,
+                                           {f: c.feeds for f, c in cases.items()})
+
+    with staging(out_dir, force) as tmp:
+        with timer.stage("emit"):
+            records, weights = write_graphs(tmp, graphs)
+            rope_rec = write_rope(tmp, rope)
+            loaded.tokenizer.save_pretrained(tmp / "tokenizer")
+            manifest: dict[str, Any] = {
+                "format": "mobc-artifact/1",
+                "name": recipe.name,
+                "source": {"spec": recipe.source.model_dump(exclude_none=True), "description": loaded.description,
+                           "fingerprint": loaded.fingerprint, "files": loaded.files},
+                "recipe": recipe.model_dump(mode="json"),
+                "recipe_file": str(recipe_path.resolve()),
+                "tools": tool_versions(),
+                "model": model_record(loaded, any_layout),
+                "graphs": records,
+                "weights": weights,
+                "rope": rope_rec,
+                "passes": pass_rows,
+            }
+            write_manifest(tmp, manifest)  # provisional: sessions read it; the folder is not in place yet
+        manifest["verification"] = verify_artifact(tmp, recipe, loaded, cases, timer)
+        manifest["timings"] = timer.timings
+        write_report(tmp, manifest)
+        write_manifest(tmp, manifest)
+    return CompileResult(out_dir=out_dir.resolve(), manifest=manifest, timings=timer.timings)

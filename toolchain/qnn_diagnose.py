@@ -1,0 +1,142 @@
+"""Why the QNN HTP backend rejected a graph, in words a user can act on.
+
+Two kinds of rejection reach us:
+  - node validation: the EP logs `Unsupported nodes in QNN EP: { name: X, type: Y }` (and, with CPU
+    fallback disabled, fails the session). The log names the nodes; we map op types to the pass
+    that removes them.
+  - finalize: the HTP graph compiler fails the whole graph with a QNN error code and no node name
+    (e.g. QNN_COMMON_ERROR_MEM_ALLOC). We then lint the graph for patterns measured to break it
+    (see `htp_findings`) and name those nodes.
+The EP writes its log to the process's stderr (C++), so it is captured at the file-descriptor level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+
+log = logging.getLogger(__name__)
+
+# Lines the EP prints on every session on x86 that say nothing about the graph.
+_NOISE = ("File mapped weights", "EPContext encryption config", "LIBNATIVE", "GetProducerInfo")
+_UNSUPPORTED = re.compile(r"\{ name: ([^,]+), type: ([^ }]+) \}")
+
+# op type -> what to do about it when the HTP backend rejects it
+FIXES: dict[str, str] = {
+    "GatherND": "export with a float additive attention mask (integer masks produce GatherND), "
+    "or replace GatherND by Gather/Slice with a pass",
+    "NonZero": "data-dependent shapes cannot run on HTP: make the index static (fold_constants)",
+    "Where": "build masks outside the graph (the step graph takes a float additive mask)",
+}
+
+
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[Callable[[], str]]:
+    """Redirects fd 2 to a temp file; yields a function returning what was written so far."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    tmp = tempfile.TemporaryFile(mode="w+b")
+    os.dup2(tmp.fileno(), 2)
+
+    def text() -> str:
+        tmp.flush()
+        tmp.seek(0)
+        return tmp.read().decode(errors="replace")
+
+    try:
+        yield text
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        for line in text().splitlines():
+            if line.strip() and not any(n in line for n in _NOISE):
+                log.debug("qnn-ep: %s", line)
+        tmp.close()
+
+
+def unsupported_nodes(log_text: str) -> list[tuple[str, str]]:
+    """(node name, op type) pairs the EP reported as unsupported, in order, without repeats."""
+    return list(dict.fromkeys(_UNSUPPORTED.findall(log_text)))
+
+
+@dataclass(frozen=True)
+class Finding:
+    node: str
+    op_type: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.op_type} node {self.node!r}: {self.problem}; fix: {self.fix}"
+
+
+def _const_scalar(value: ir.Value | None) -> float | None:
+    if value is None or value.const_value is None:
+        return None
+    arr = value.const_value.numpy()
+    return float(arr.reshape(-1)[0]) if arr.size == 1 else None
+
+
+def htp_findings(model: ir.Model) -> list[Finding]:
+    """Patterns measured to make HTP finalize fail (onnxruntime-qnn 2.7, QAIRT 2.40, soc 57/v75).
+
+    RMSNorm written as Pow(x, 2) -> ReduceMean -> ... -> Mul(x, rsqrt) -> Mul(weight) fails with
+    QNN_COMMON_ERROR_MEM_ALLOC even on a 64-wide toy graph, with or without fp16; the same chain
+    with Mul(x, x) finalizes (fp16 mode then overflows for |x| > 255 unless the input is scaled).
+    """
+    found = []
+    for node in model.graph.all_nodes():
+        if node.op_type == "Pow" and _const_scalar(node.inputs[1]) == 2.0:
+            if any(use.op_type == "ReduceMean" for use, _ in node.outputs[0].uses()):
+                found.append(
+                    Finding(
+                        node.name or "?",
+                        "Pow",
+                        "RMSNorm squares with Pow(x, 2), which fails HTP finalize (MEM_ALLOC)",
+                        "add the `scale_rmsnorm` pass (squares with Mul on a scaled input, exact)",
+                    )
+                )
+    return found
+
+
+def explain_failure(onnx_path: Path, error: str, log_text: str, limit: int = 8) -> str:
+    """A user-facing message for a failed QNN session over onnx_path."""
+    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    bad = unsupported_nodes(log_text)
+    if bad:
+        lines = [f"QNN HTP does not support {len(bad)} node(s) of {onnx_path.name}:"]
+        for node, op in bad[:limit]:
+            lines.append(f"  {op} {node!r}: {FIXES.get(op, 'replace it with ops HTP supports (a pass)')}")
+        if len(bad) > limit:
+            lines.append(f"  ... and {len(bad) - limit} more")
+        return "\n".join(lines)
+    if "finalize" in error.lower():
+        code = re.search(r"QNN_[A-Z_]+", error)
+        head = f"QNN HTP failed to finalize {onnx_path.name} ({code.group(0) if code else first})"
+        try:
+            findings = htp_findings(ir.load(onnx_path))
+        except Exception as exc:  # a lint failure must not hide the backend's error
+            log.debug("htp lint failed: %s", exc)
+            findings = []
+        if findings:
+            lines = [f"{head}; {len(findings)} node(s) match patterns known to break HTP:"]
+            lines += [f"  {f}" for f in findings[:limit]]
+            if len(findings) > limit:
+                lines.append(f"  ... and {len(findings) - limit} more")
+            return "\n".join(lines)
+        return (
+            f"{head}. No known-bad pattern found; if the graph is large, split it with `split_parts` "
+            "(HTP has a per-graph memory limit). Rerun with --debug for the EP log"
+        )
+    errors = [ln for ln in log_text.splitlines() if "[E:" in ln and not any(n in ln for n in _NOISE)]
+    detail = ("; EP log: " + " | ".join(e.split("] ", 1)[-1] for e in errors[:3])) if errors else ""
+    return f"QNN HTP session for {onnx_path.name} failed: {first}{detail}"

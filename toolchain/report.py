@@ -1,0 +1,120 @@
+"""Human-readable views of a manifest: the same tables as report.md and as rich tables (inspect)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+Rows = tuple[list[str], list[list[str]]]
+
+
+def _mb(n: int | float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _shape(spec: dict[str, Any]) -> str:
+    return "[" + ",".join(str(d) for d in spec["shape"]) + "]"
+
+
+def graphs_rows(m: dict[str, Any]) -> Rows:
+    head = ["graph", "family", "role", "stage", "N", "CL", "inputs", "outputs", "nodes", "weights", ".onnx"]
+    rows = [[g["name"], g["family"], g["role"], str(g["stage"]), str(g["width"]), str(g["context"]),
+             str(len(g["inputs"])), str(len(g["outputs"])), str(g["nodes"]), _mb(g["weight_bytes"]),
+             _mb(g["onnx_bytes"])] for g in m["graphs"]]
+    return head, rows
+
+
+def io_rows(graph: dict[str, Any], limit: int = 8) -> Rows:
+    """Inputs/outputs, with the per-layer K/V tensors folded into one line each."""
+    head = ["direction", "name", "shape", "dtype"]
+    rows: list[list[str]] = []
+    for direction in ("inputs", "outputs"):
+        specs = graph[direction]
+        per_layer = [s for s in specs if s["name"].rsplit("_", 1)[-1].isdigit()]
+        others = [s for s in specs if s not in per_layer]
+        for s in others:
+            rows.append([direction[:-1], s["name"], _shape(s), s["dtype"]])
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for s in per_layer:
+            groups.setdefault(s["name"].rsplit("_", 1)[0], []).append(s)
+        for stem, items in groups.items():
+            rows.append([direction[:-1], f"{stem}_{{0..{len(items) - 1}}}", _shape(items[0]), items[0]["dtype"]])
+    return head, rows[: limit * 4]
+
+
+def verification_rows(m: dict[str, Any]) -> Rows:
+    v = m.get("verification") or {}
+    head = ["family", "max |logits diff|", "max |KV diff|", "argmax agree", "past rows", "within tolerance"]
+    tol = v.get("tolerance", 0)
+    rows = [[fam, f"{f['logits_max_abs']:.2e}", f"{f['kv_max_abs']:.2e}", f"{f['argmax_agree']:.0%}",
+             str(f["past_len"]), "yes" if f["worst_max_abs"] <= tol else "NO"]
+            for fam, f in v.get("families", {}).items()]
+    return head, rows
+
+
+def pass_rows(m: dict[str, Any]) -> Rows:
+    head = ["pass", "seconds", "nodes before -> after", "weights before -> after", "max |diff|", "worst output"]
+    rows = []
+    for r in m.get("passes", []):
+        nb = sum(r.get("ops_before", {}).values())
+        na = sum(r.get("ops_after", {}).values())
+        rows.append([r.get("pass", "?"), f"{r.get('seconds', 0):.2f}", f"{nb} -> {na}",
+                     f"{_mb(r.get('weight_bytes_before', 0))} -> {_mb(r.get('weight_bytes_after', 0))}",
+                     f"{r.get('max_abs_diff', 0):.2e}", str(r.get("worst_output", ""))])
+    return head, rows
+
+
+def timing_rows(m: dict[str, Any]) -> Rows:
+    return ["stage", "seconds"], [[k, f"{v:.2f}"] for k, v in m.get("timings", {}).items()]
+
+
+def rich_table(title: str, rows: Rows) -> Table:
+    head, body = rows
+    table = Table(title=title, title_justify="left")
+    for h in head:
+        table.add_column(h)
+    for r in body:
+        table.add_row(*r)
+    return table
+
+
+def markdown_table(rows: Rows) -> str:
+    head, body = rows
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def write_report(folder: Path, m: dict[str, Any]) -> None:
+    v = m.get("verification", {})
+    parts = [
+        f"# {m['name']}",
+        "",
+        f"Source: `{m['source']['description']}` ({m['model']['family']}, {m['model']['n_layers']} layers, "
+        f"{m['model']['n_heads']} heads / {m['model']['n_kv']} KV heads, head_dim {m['model']['head_dim']}, "
+        f"vocab {m['model']['vocab']}). Weights: {_mb(m['weights']['bytes'])} in `{m['weights']['file']}` "
+        f"({_mb(m['weights']['bytes_saved_by_sharing'])} saved by sharing across graphs).",
+        "",
+        "## Graphs",
+        "",
+        markdown_table(graphs_rows(m)),
+        "",
+        "## Verification against transformers",
+        "",
+        f"Tolerance: max |diff| <= {v.get('tolerance')}.",
+        "",
+        markdown_table(verification_rows(m)),
+    ]
+    g = v.get("greedy")
+    if g:
+        parts += ["", f"Greedy decoding, {g['tokens']} tokens through `{g['decode_family']}`: "
+                  + ("identical to transformers' generate." if g["identical"] else
+                     f"DIVERGES at token {g['first_mismatch']}.")]
+    if m.get("passes"):
+        parts += ["", "## Passes", "", markdown_table(pass_rows(m))]
+    for extra in m.get("report_sections", []):
+        parts += ["", extra]
+    parts += ["", "## Timings", "", markdown_table(timing_rows(m)), ""]
+    (folder / "report.md").write_text("\n".join(parts))
