@@ -3,3 +3,6 @@
 from passes.registry import PASSES, build, register
 
 __all__ = ["PASSES", "build", "register"]
+
+# importing a pass module registers it
+from passes import fold_constants, split_layers, split_lm_head  # noqa: E402,F401

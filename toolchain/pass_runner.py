@@ -174,7 +174,9 @@ def format_pass_table(rows: list[dict]) -> Table:
     """The per-pass table `mobc inspect` and the report print."""
     table = Table(title="passes")
     for col in ("pass", "graphs", "nodes", "weights MB", "max |diff|", "worst output", "s", "ops changed"):
-        table.add_column(col, justify="right" if col in ("nodes", "weights MB", "max |diff|", "s") else "left")
+        table.add_column(
+            col, justify="right" if col in ("nodes", "weights MB", "max |diff|", "s") else "left"
+        )
     for r in rows:
         worst = r["worst"]
         table.add_row(
