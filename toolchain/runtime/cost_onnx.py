@@ -11,7 +11,8 @@ Rules, chosen so the numbers mean "bytes the NPU reads in one call":
   Elementwise ops are ignored (they are a rounding error next to the matmuls).
 - KV bytes: inputs/outputs named past_/new_/present_ key/value; other I/O is io_bytes.
 - Precision: the widest QuantizeLinear activation type (16-bit -> int16, 8-bit -> int8);
-  a float graph runs as fp16 on HTP.
+  a float graph runs as fp16 on HTP, so its float32 weights count 2 bytes per element there
+  (graph inputs/outputs keep their ONNX types: the runtime feeds them as declared).
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def graph_cost(model: ir.Model | str | Path, width: int | None = None, name: str
     graph = model.graph
     w = width or _width(graph)
 
+    precision = _precision(graph)
     layers: dict[int, int] = {}
     shared = 0
     for init_name, init in graph.initializers.items():
@@ -175,6 +177,8 @@ def graph_cost(model: ir.Model | str | Path, width: int | None = None, name: str
         if tensor is None:
             continue
         nbytes = int(tensor.nbytes)
+        if precision == "fp16" and tensor.dtype == ir.DataType.FLOAT:
+            nbytes //= 2  # HTP holds a float graph's weights in fp16
         gathered = _gathered_bytes(init, nbytes, w)
         if gathered is not None:
             nbytes = gathered
@@ -202,6 +206,6 @@ def graph_cost(model: ir.Model | str | Path, width: int | None = None, name: str
         width=w,
         kv_bytes=kv,
         io_bytes=io,
-        precision=_precision(graph),
+        precision=precision,
         name=name,
     )

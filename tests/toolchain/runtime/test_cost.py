@@ -213,9 +213,10 @@ def test_graph_cost_from_onnx_hand_computed(tmp_path):
     onnx.save(_toy_lm(width=4), path)
     cost = graph_cost(path)
     assert cost.name == "decode" and cost.width == 4
-    # layers: 8*16*4 = 512 B each; shared: lm_head 3200 B + 4 embedding rows of 32 B + 3 int64 slices
-    assert cost.layer_weight_bytes == {0: 512, 1: 512}
-    assert cost.shared_weight_bytes == 3200 + 4 * 32 + 3 * 8
+    # a float graph runs in fp16 on HTP: layers 8*16*2 = 256 B each; shared: lm_head 8*100*2 B
+    # + 4 gathered embedding rows of 8*2 B + 3 int64 slice constants
+    assert cost.layer_weight_bytes == {0: 256, 1: 256}
+    assert cost.shared_weight_bytes == 1600 + 4 * 16 + 3 * 8
     # 2*4*8*16 + 2*4*16*8 + 2*4*8*100 = 8448 FLOPs per call
     assert cost.flops == pytest.approx(8448)
     assert cost.flops_per_token == pytest.approx(2112)
@@ -226,7 +227,9 @@ def test_graph_cost_from_onnx_hand_computed(tmp_path):
 
 
 def test_graph_cost_precision_from_qdq_and_in_memory_model():
-    assert graph_cost(ir.from_proto(_toy_lm(quant_bits=16))).precision == "int16"
+    q16 = graph_cost(ir.from_proto(_toy_lm(quant_bits=16)))
+    assert q16.precision == "int16"
+    assert q16.layer_weight_bytes == {0: 512, 1: 512}  # not a float graph: bytes as stored
     assert graph_cost(ir.from_proto(_toy_lm(quant_bits=8)), width=4).precision == "int8"
 
 
