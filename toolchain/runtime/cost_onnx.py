@@ -2,7 +2,9 @@
 
 Rules, chosen so the numbers mean "bytes the NPU reads in one call":
 - A weight is an initializer. Its layer is the index in its name ('model.layers.3.mlp...',
-  'layers_3_...', 'h.3.', 'blocks.3.'); names without one are shared weights (lm_head, norm).
+  'layers_3_...', 'h.3.', 'blocks.3.') or, for names the exporter invented ('val_105' for a
+  pre-transposed weight), the one index in the names of the nodes that read it
+  ('layers.0.mlp.gate_proj/MatMul'); anything else is shared (lm_head, final norm).
 - An initializer read only through Gather (embedding tables, also behind DequantizeLinear)
   costs only the gathered rows, not the whole table; a tied lm_head that also feeds a
   MatMul costs the whole table.
@@ -91,6 +93,14 @@ def _gathered_bytes(init: ir.Value, nbytes: int, width: int) -> int | None:
         n = _numel(idx.shape) if idx is not None else None
         rows += n if n is not None else width
     return math.ceil(min(rows, shape[0]) * row)
+
+
+def _owner_layer(name: str, init: ir.Value) -> int | None:
+    idx = layer_index(name)
+    if idx is not None:
+        return idx
+    found = {layer_index(node.name or "") for node, _ in _readers(init)}
+    return found.pop() if len(found) == 1 else None
 
 
 def _width(graph: ir.Graph) -> int:
@@ -182,7 +192,7 @@ def graph_cost(model: ir.Model | str | Path, width: int | None = None, name: str
         gathered = _gathered_bytes(init, nbytes, w)
         if gathered is not None:
             nbytes = gathered
-        idx = layer_index(init_name)
+        idx = _owner_layer(init_name, init)
         if idx is None:
             shared += nbytes
         else:

@@ -170,13 +170,14 @@ def _toy_lm(width: int = 4, quant_bits: int | None = None) -> onnx.ModelProto:
     inits = [
         numpy_helper.from_array(np.zeros((100, 8), f32), "model.embed_tokens.weight"),
         numpy_helper.from_array(np.zeros((8, 16), f32), "model.layers.0.mlp.up_proj.weight"),
-        numpy_helper.from_array(np.zeros((16, 8), f32), "model.layers.1.mlp.down_proj.weight"),
+        # an exporter-invented name: the layer comes from the reading node's name
+        numpy_helper.from_array(np.zeros((16, 8), f32), "val_7"),
         numpy_helper.from_array(np.zeros((8, 100), f32), "lm_head.weight"),
     ]
     nodes = [
         helper.make_node("Gather", ["model.embed_tokens.weight", "input_ids"], ["h0"]),
         helper.make_node("MatMul", ["h0", "model.layers.0.mlp.up_proj.weight"], ["h1"]),
-        helper.make_node("MatMul", ["h1", "model.layers.1.mlp.down_proj.weight"], ["h2"]),
+        helper.make_node("MatMul", ["h1", "val_7"], ["h2"], name="layers.1.mlp.down_proj/MatMul"),
         helper.make_node("MatMul", ["h2", "lm_head.weight"], ["logits"]),
     ]
     inputs = [
