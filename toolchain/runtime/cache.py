@@ -4,6 +4,14 @@ It owns fixed-length K/V buffers in the step-graph layout (keys [Hkv,1,D,CL], va
 [Hkv,1,CL,D]); committed tokens occupy slots [0, length). A call of a width-N graph sees the
 first CL-N slots as its past and returns N new rows; `commit` scatters the rows of accepted
 tokens into the next free slots and everything else is simply never written (discarded).
+`truncate` rolls back committed tokens (a draft model that ran ahead of the target).
+
+Two ways to feed a graph:
+- `step_inputs` returns fresh arrays (verification keeps several cases alive at once);
+- `buffers(width)` + `fill` keep one preallocated, contiguous set of inputs per width that
+  an onnxruntime IO binding points at, so a decode step copies nothing but the new rows.
+  The per-width past buffers are exact [.., CL-N] copies of the master buffers, kept in sync
+  by `commit` (a slice of the master would not be contiguous, so ORT would copy it per call).
 """
 
 from __future__ import annotations
@@ -13,10 +21,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from toolchain.capture import MASK_MIN, StepLayout
+from toolchain.errors import MobcError
 
 
-class CacheFullError(RuntimeError):
-    pass
+class CacheFullError(MobcError):
+    """The generation ran out of the compiled context length."""
 
 
 class KVCache:
@@ -29,21 +38,31 @@ class KVCache:
         self.keys = [np.zeros(shape_k, np.float32) for _ in range(layout.n_layers)]
         self.values = [np.zeros(shape_v, np.float32) for _ in range(layout.n_layers)]
         self.length = 0  # committed tokens; token at slot s has position s
+        self._bufs: dict[int, dict[str, np.ndarray]] = {}
 
     def reset(self) -> None:
         self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget committed tokens from `length` on (their rows are overwritten by later commits)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
 
     def free(self, width: int) -> int:
         """How many more tokens a width-N call can still see as past."""
         return self.context - width - self.length
 
     # ---- graph inputs -------------------------------------------------------------------------
-    def past(self, width: int) -> dict[str, np.ndarray]:
+    def _check_room(self, width: int) -> None:
         if self.length > self.context - width:
             raise CacheFullError(
                 f"cache holds {self.length} tokens; a width-{width} call needs at most "
-                f"{self.context - width} (context {self.context})"
+                f"{self.context - width} (context {self.context}); use a shorter prompt or fewer new tokens"
             )
+
+    def past(self, width: int) -> dict[str, np.ndarray]:
+        self._check_room(width)
         past_len = self.context - width
         feeds = {}
         for i in range(self.layout.n_layers):
@@ -88,12 +107,9 @@ class KVCache:
             feeds[f"attention_mask{StepLayout.suffix(kind)}"] = mask.reshape(1, 1, n, cl)
         return feeds
 
-    def step_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
-                    depths: Sequence[int] | None = None, pad_token: int = 0) -> dict[str, np.ndarray]:
-        """All inputs of a width-N call for len(tokens) <= N new tokens (the rest is padding).
-
-        Default structure is causal over the real tokens; padding rows see only themselves.
-        """
+    def _new_token_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None,
+                          depths: Sequence[int] | None, pad_token: int) -> dict[str, np.ndarray]:
+        """input_ids, masks and RoPE inputs of a call (everything but the past)."""
         k = len(tokens)
         if k > width:
             raise ValueError(f"{k} tokens do not fit a width-{width} graph")
@@ -101,7 +117,7 @@ class KVCache:
             allowed_new = np.tril(np.ones((k, k), dtype=bool))
         if depths is None:
             depths = range(k)
-        full = np.eye(width, dtype=bool)
+        full = np.eye(width, dtype=bool)  # padding rows see only themselves (and the past)
         full[:k, :k] = allowed_new
         positions = np.concatenate([self.positions(depths), self.length + np.arange(k, width)])
         positions = np.minimum(positions, self.context - 1)
@@ -110,8 +126,36 @@ class KVCache:
         feeds = {"input_ids": ids}
         feeds.update(self.masks(width, full, positions))
         feeds.update(self.rope_inputs(positions))
+        return feeds
+
+    def step_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
+                    depths: Sequence[int] | None = None, pad_token: int = 0) -> dict[str, np.ndarray]:
+        """All inputs of a width-N call for len(tokens) <= N new tokens (the rest is padding), as new arrays.
+
+        Default structure is causal over the real tokens; padding rows see only themselves.
+        """
+        self._check_room(width)
+        feeds = self._new_token_inputs(tokens, width, allowed_new, depths, pad_token)
         feeds.update(self.past(width))
         return feeds
+
+    def buffers(self, width: int) -> dict[str, np.ndarray]:
+        """The preallocated inputs of width-N calls (stable arrays: bind them once)."""
+        if width not in self._bufs:
+            self._check_room(width)
+            bufs = {k: np.zeros_like(v) for k, v in self._new_token_inputs([], width, None, None, 0).items()}
+            bufs.update(self.past(width))  # copies of the master: every later commit updates both
+            self._bufs[width] = bufs
+        return self._bufs[width]
+
+    def fill(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
+             depths: Sequence[int] | None = None, pad_token: int = 0) -> dict[str, np.ndarray]:
+        """Writes a call's new-token inputs into `buffers(width)` in place and returns them."""
+        self._check_room(width)
+        bufs = self.buffers(width)
+        for name, arr in self._new_token_inputs(tokens, width, allowed_new, depths, pad_token).items():
+            bufs[name][...] = arr
+        return bufs
 
     # ---- cache update -------------------------------------------------------------------------
     def commit(self, new_rows: dict[str, np.ndarray], accepted: Sequence[int]) -> None:
@@ -120,8 +164,15 @@ class KVCache:
         m = len(idx)
         if self.length + m > self.context:
             raise CacheFullError(f"committing {m} tokens overflows the context ({self.context})")
-        s = slice(self.length, self.length + m)
+        lo, hi = self.length, self.length + m
         for i in range(self.layout.n_layers):
-            self.keys[i][..., s] = new_rows[f"new_key_{i}"][..., idx]
-            self.values[i][:, :, s] = new_rows[f"new_value_{i}"][:, :, idx]
-        self.length += m
+            k_rows = new_rows[f"new_key_{i}"][..., idx]
+            v_rows = new_rows[f"new_value_{i}"][:, :, idx]
+            self.keys[i][..., lo:hi] = k_rows
+            self.values[i][:, :, lo:hi] = v_rows
+            for width, bufs in self._bufs.items():
+                top = min(hi, self.context - width)  # a width-N past holds only CL-N slots
+                if top > lo:
+                    bufs[f"past_key_{i}"][..., lo:top] = k_rows[..., : top - lo]
+                    bufs[f"past_value_{i}"][:, :, lo:top] = v_rows[:, :, : top - lo]
+        self.length = hi

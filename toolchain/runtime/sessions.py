@@ -1,4 +1,10 @@
-"""onnxruntime sessions over an artifact folder: one session per graph, families run as chains."""
+"""onnxruntime sessions over an artifact folder: one session per graph, families run as chains.
+
+Two ways to run a family: `run_family(feeds)` (dicts in, fresh arrays out; verification) and
+`bind(family, inputs)` -> BoundFamily, which binds preallocated input and output arrays once
+with onnxruntime IO binding, so a decode step allocates nothing: the caller writes the next
+inputs into the same arrays and reads the outputs from the same arrays.
+"""
 
 from __future__ import annotations
 
@@ -85,6 +91,52 @@ class ArtifactSessions:
 
     def run_family(self, family: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return run_chain(self.chain(family), feeds, self.run_stage)
+
+    def bind(self, family: str, inputs: dict[str, np.ndarray]) -> BoundFamily:
+        return BoundFamily(self, family, inputs)
+
+
+_DTYPES = {"float": np.float32, "float32": np.float32, "float16": np.float16, "int32": np.int32,
+           "int64": np.int64, "int8": np.int8, "uint8": np.uint8, "uint16": np.uint16, "int16": np.int16}
+
+
+class BoundFamily:
+    """A family's stage chain with every input and output bound to a fixed numpy array.
+
+    `inputs` are the family's external inputs (e.g. KVCache.buffers(width)); outputs of every
+    stage are preallocated from the manifest's shapes, and a later stage's input of the same
+    name is bound to that array (the chain convention of toolchain/graphset.py). The arrays
+    must never be replaced, only written in place.
+    """
+
+    def __init__(self, sessions: ArtifactSessions, family: str, inputs: dict[str, np.ndarray]):
+        self.family = family
+        self.outputs: dict[str, np.ndarray] = {}
+        self._runs: list[tuple[ort.InferenceSession, ort.IOBinding]] = []
+        consumed: set[str] = set()
+        for stage in sessions.chain(family):
+            sess = sessions.session(stage.name)
+            binding = sess.io_binding()
+            for name in stage.input_names:
+                arr = self.outputs.get(name, inputs.get(name))
+                if arr is None:
+                    raise KeyError(f"graph {stage.name} needs input {name!r} that nothing provides")
+                if not arr.flags.c_contiguous:
+                    raise ValueError(f"input {name!r} of {stage.name} must be a contiguous array")
+                binding.bind_cpu_input(name, arr)
+                consumed.add(name)
+            for out in stage.record["outputs"]:
+                arr = np.zeros(out["shape"], _DTYPES.get(out["dtype"], np.float32))
+                self.outputs[out["name"]] = arr
+                binding.bind_ortvalue_output(out["name"], ort.OrtValue.ortvalue_from_numpy(arr))
+            self._runs.append((sess, binding))
+        # like run_chain: the family's outputs are those no later stage consumed
+        self.outputs = {k: v for k, v in self.outputs.items() if k not in consumed}
+
+    def run(self) -> dict[str, np.ndarray]:
+        for sess, binding in self._runs:
+            sess.run_with_iobinding(binding)
+        return self.outputs
 
 
 def load_config(folder: Path) -> dict[str, Any]:

@@ -1,0 +1,122 @@
+"""The KV cache manager against a plain-torch reference: scatter, discard, rollback, masks, RoPE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from toolchain.capture import MASK_MIN, StepLayout
+from toolchain.runtime.cache import CacheFullError, KVCache
+
+CL, D, HKV, LAYERS = 16, 4, 2, 2
+
+
+def layout(kinds=("full", "full"), window=None) -> StepLayout:
+    return StepLayout(width=1, context=CL, n_layers=LAYERS, n_heads=4, n_kv=HKV, head_dim=D, hidden=16,
+                      vocab=32, layer_kinds=tuple(kinds), rope_per_kind=False, sliding_window=window)
+
+
+def rope() -> dict[str, np.ndarray]:
+    t = np.arange(CL * D // 2, dtype=np.float32).reshape(CL, D // 2)
+    return {"cos": np.cos(t), "sin": np.sin(t)}
+
+
+def rows(n: int, seed: int) -> dict[str, np.ndarray]:
+    g = np.random.default_rng(seed)
+    out = {}
+    for i in range(LAYERS):
+        out[f"new_key_{i}"] = g.standard_normal((HKV, 1, D, n)).astype(np.float32)
+        out[f"new_value_{i}"] = g.standard_normal((HKV, 1, n, D)).astype(np.float32)
+    return out
+
+
+def test_commit_scatter_discard_truncate_match_torch_reference():
+    cache = KVCache(layout(), rope())
+    cache.buffers(1)  # bound buffers of two widths must follow every commit
+    cache.buffers(4)
+    ref_k = [torch.zeros(HKV, 1, D, 0) for _ in range(LAYERS)]  # reference: a growing list of kept rows
+    ref_v = [torch.zeros(HKV, 1, 0, D) for _ in range(LAYERS)]
+    plan = [(4, [0, 1, 2, 3]), (4, [0, 2]), (3, []), (4, [3, 1, 0])]
+    for step, (n, keep) in enumerate(plan):
+        new = rows(n, step)
+        cache.commit(new, keep)
+        for i in range(LAYERS):
+            k, v = torch.from_numpy(new[f"new_key_{i}"]), torch.from_numpy(new[f"new_value_{i}"])
+            ref_k[i] = torch.cat([ref_k[i], k[..., keep]], dim=3)
+            ref_v[i] = torch.cat([ref_v[i], v[:, :, keep]], dim=2)
+    assert cache.length == 9
+    for i in range(LAYERS):
+        np.testing.assert_array_equal(cache.keys[i][..., :9], ref_k[i].numpy())
+        np.testing.assert_array_equal(cache.values[i][:, :, :9], ref_v[i].numpy())
+        for w in (1, 4):
+            np.testing.assert_array_equal(cache.buffers(w)[f"past_key_{i}"][..., :9], ref_k[i].numpy())
+            np.testing.assert_array_equal(cache.buffers(w)[f"past_value_{i}"][:, :, :9], ref_v[i].numpy())
+    # rollback: the rows after the new length are replaced by the next commit
+    cache.truncate(5)
+    new = rows(2, 99)
+    cache.commit(new, [1])
+    np.testing.assert_array_equal(cache.keys[0][..., 5], new["new_key_0"][..., 1])
+    np.testing.assert_array_equal(cache.buffers(4)["past_value_1"][:, :, 5], new["new_value_1"][:, :, 1])
+    assert cache.length == 6
+    # the in-place inputs equal the freshly built ones
+    fresh = cache.step_inputs([5, 6], 4)
+    bound = cache.fill([5, 6], 4)
+    for name, arr in fresh.items():
+        np.testing.assert_array_equal(bound[name], arr, err_msg=name)
+
+
+def torch_mask(length: int, width: int, allowed_new: torch.Tensor, positions: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
+    """Reference additive mask: past slots 0..length-1 visible, new block as given, window by position."""
+    key_pos = torch.full((CL,), -(10**9), dtype=torch.long)
+    key_pos[:length] = torch.arange(length)
+    key_pos[CL - width :] = positions
+    ok = torch.zeros(width, CL, dtype=torch.bool)
+    ok[:, :length] = True
+    ok[:, CL - width :] = allowed_new
+    if window:
+        ok &= (positions[:, None] - key_pos[None, :]) < window
+    return torch.where(ok, 0.0, MASK_MIN).reshape(1, 1, width, CL)
+
+
+@pytest.mark.parametrize("structure", ["causal", "tree", "bidirectional"])
+def test_masks_and_rope_match_reference(structure):
+    cache = KVCache(layout(("full", "sliding"), window=6), rope())
+    cache.commit(rows(4, 0), [0, 1, 2, 3])
+    cache.commit(rows(4, 1), [0, 1, 2])  # 7 committed
+    width, k = 4, 4
+    if structure == "causal":
+        allowed, depths = torch.tril(torch.ones(k, k, dtype=torch.bool)), [0, 1, 2, 3]
+    elif structure == "tree":  # root -> (a, b), a -> c
+        parent = [-1, 0, 0, 1]
+        allowed = torch.eye(k, dtype=torch.bool)
+        for j in range(k):
+            p = parent[j]
+            while p >= 0:
+                allowed[j, p] = True
+                p = parent[p]
+        depths = [0, 1, 1, 2]
+    else:
+        allowed, depths = torch.ones(k, k, dtype=torch.bool), [0, 1, 2, 3]
+    feeds = cache.step_inputs([3, 4, 5, 6], width, allowed_new=allowed.numpy(), depths=depths)
+    positions = 7 + torch.tensor(depths)
+    np.testing.assert_array_equal(feeds["attention_mask"], torch_mask(7, width, allowed, positions).numpy())
+    np.testing.assert_array_equal(feeds["attention_mask_sliding"],
+                                  torch_mask(7, width, allowed, positions, window=6).numpy())
+    np.testing.assert_array_equal(feeds["position_cos"][0, 0], rope()["cos"][positions.numpy()])
+    np.testing.assert_array_equal(feeds["past_key_1"], cache.keys[1][..., : CL - width])
+
+
+def test_padding_rows_and_overflow():
+    cache = KVCache(layout(), rope())
+    feeds = cache.step_inputs([7], 4)  # 1 real token, 3 padding rows
+    m = feeds["attention_mask"][0, 0]
+    assert (m[:, CL - 4 :] == np.where(np.eye(4, dtype=bool), 0.0, MASK_MIN)).all()
+    assert feeds["input_ids"].tolist() == [[7, 0, 0, 0]]
+    cache.commit(rows(4, 0), [0, 1, 2, 3])
+    cache.commit(rows(4, 1), [0, 1, 2, 3])
+    cache.commit(rows(4, 2), [0, 1, 2, 3])
+    with pytest.raises(CacheFullError):
+        cache.step_inputs([1], 8)
+    cache.step_inputs([1], 4)  # 12 past slots: exactly fits

@@ -1,0 +1,146 @@
+"""A compiled model ready to decode: its sessions, one KV cache, and bound graphs per width.
+
+Policies talk to models only through this class: `prefill`, `forward` (up to N new tokens,
+causal or with a tree/block mask), `commit` (keep some of the last call's rows) and
+`truncate` (roll back). It counts calls and seconds per family, which the bench turns into
+real and predicted (cost model) time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toolchain.errors import ArtifactError
+from toolchain.runtime.cache import KVCache
+from toolchain.runtime.sessions import ArtifactSessions, BoundFamily
+
+# roles whose first stage is a full step graph (an lm_head or part stage never starts a family)
+STEP_ROLES = ("decode", "prefill", "tree", "custom")
+
+
+class StepModel:
+    def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
+                 provider_options: dict[str, str] | None = None, io_binding: bool = True):
+        self.folder = Path(folder)
+        self.sessions = ArtifactSessions(folder, provider, threads, provider_options)
+        self.manifest = self.sessions.manifest
+        self.name: str = self.manifest["name"]
+        self.widths: dict[str, int] = {}
+        for fam in self.sessions.families():
+            rec = self.sessions.chain(fam)[0].record
+            if rec["role"] in STEP_ROLES:
+                self.widths[fam] = rec["width"]
+        if not self.widths:
+            raise ArtifactError(f"{self.folder}: no decode/prefill/tree step graph in the manifest")
+        contexts = {self.sessions.chain(f)[0].record["context"] for f in self.widths}
+        if len(contexts) != 1:
+            raise ArtifactError(
+                f"{self.folder}: graphs have different context lengths {sorted(contexts)}; the runtime "
+                "keeps one cache per model, so compile every graph with the same context"
+            )
+        self.context = contexts.pop()
+        self.decode_family = min(self.widths, key=lambda f: (self.widths[f], f != "decode"))
+        self.cache = KVCache(self.sessions.layout(self.decode_family), self.sessions.rope)
+        self.io_binding = io_binding
+        self._bound: dict[str, BoundFamily] = {}
+        self._last: tuple[str, dict[str, np.ndarray]] | None = None
+        self.eos_ids: list[int] = list(self.manifest["model"].get("eos_token_ids") or [])
+        self.vocab: int = self.manifest["model"]["vocab"]
+        self.calls: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
+        self._tokenizer: Any = None
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tok_dir = self.folder / "tokenizer"
+            if not tok_dir.is_dir():
+                raise ArtifactError(f"{self.folder} has no tokenizer/ folder; recompile it with mobc compile")
+            self._tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+        return self._tokenizer
+
+    def reset(self, stats: bool = True) -> None:
+        self.cache.reset()
+        self._last = None
+        if stats:
+            self.calls.clear()
+            self.seconds.clear()
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def family_for(self, n: int) -> str:
+        """The narrowest step graph that takes n new tokens."""
+        fits = [f for f, w in self.widths.items() if w >= n]
+        if not fits:
+            raise ArtifactError(
+                f"{self.name}: no graph takes {n} new tokens (widths {sorted(self.widths.values())}); "
+                f"add a graph of width >= {n} to the recipe (e.g. verify: {{width: {n}, context: {self.context}, "
+                "role: tree}) and recompile"
+            )
+        return min(fits, key=lambda f: (self.widths[f], f))
+
+    def room(self, n: int) -> bool:
+        """Whether a call with n new tokens (and committing them) still fits the context."""
+        return self.cache.free(self.widths[self.family_for(n)]) >= 0
+
+    # ---- calls --------------------------------------------------------------------------------
+    def forward(self, tokens: Sequence[int], allowed_new: np.ndarray | None = None,
+                depths: Sequence[int] | None = None, family: str | None = None) -> np.ndarray:
+        """One call with the new tokens (causal by default); returns their logits [k, V] (a copy).
+
+        Nothing is committed: call `commit` with the indices of the tokens to keep.
+        """
+        family = family or self.family_for(len(tokens))
+        width = self.widths[family]
+        t = time.perf_counter()
+        if self.io_binding:
+            feeds = self.cache.fill(tokens, width, allowed_new, depths)
+            if family not in self._bound:
+                self._bound[family] = self.sessions.bind(family, feeds)
+            outs = self._bound[family].run()
+        else:
+            feeds = self.cache.step_inputs(tokens, width, allowed_new, depths)
+            outs = self.sessions.run_family(family, feeds)
+        self.seconds[family] += time.perf_counter() - t
+        self.calls[family] += 1
+        self._last = (family, outs)
+        return np.array(outs["logits"][0, : len(tokens)], dtype=np.float32)
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        """Keep the rows of the last call's tokens at these indices (in order)."""
+        if self._last is None:
+            raise RuntimeError("commit without a preceding forward call")
+        self.cache.commit(self._last[1], accepted)
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    def feed(self, tokens: Sequence[int]) -> np.ndarray:
+        """Runs and commits tokens causally in as few calls as possible; returns the last logits [V]."""
+        logits = None
+        widest = max(self.widths.values())
+        start = 0
+        while start < len(tokens):
+            chunk = list(tokens[start : start + widest])
+            logits = self.forward(chunk)
+            self.commit(range(len(chunk)))
+            start += len(chunk)
+        if logits is None:
+            raise ValueError("feed needs at least one token")
+        return logits[-1]
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Reset the cache and feed the prompt; returns the last prompt token's logits."""
+        self.reset(stats=False)
+        return self.feed(ids)

@@ -1,0 +1,76 @@
+"""The policy interface: every decoding policy turns a prompt into a stream of token chunks.
+
+A policy owns no cache of its own: it drives StepModels (target, and a draft if it has one),
+whose KV caches are the runtime's one cache manager. After `generate` is exhausted, `stats`
+says how many target/draft calls the tokens cost, which the bench reads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from toolchain.runtime.model import StepModel
+from toolchain.runtime.policies.sampling import Sampler
+
+
+@dataclass
+class RunStats:
+    tokens: int = 0
+    target_calls: Counter[str] = field(default_factory=Counter)  # decode-phase calls per family
+    draft_calls: Counter[str] = field(default_factory=Counter)
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per verify call
+    prefill_calls: Counter[str] = field(default_factory=Counter)  # target, then draft, prompt calls
+    prefill_seconds: float = 0.0
+
+    @property
+    def n_target_calls(self) -> int:
+        return sum(self.target_calls.values())
+
+
+class Policy:
+    name = "base"
+
+    def __init__(self, target: StepModel, draft: StepModel | None = None):
+        self.target = target
+        self.draft = draft
+        self.stats = RunStats()
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
+        raise NotImplementedError
+
+    # ---- shared helpers ---------------------------------------------------------------------
+    def _start(self, prompt: Sequence[int]) -> None:
+        self.stats = RunStats()
+        for m in self._models():
+            m.reset()
+
+    def _models(self) -> list[StepModel]:
+        return [m for m in (self.target, self.draft) if m is not None]
+
+    def _end_prefill(self) -> None:
+        """Move the prompt's calls out of the decode-phase counters."""
+        for m in self._models():
+            self.stats.prefill_calls.update(m.calls)
+            self.stats.prefill_seconds += sum(m.seconds.values())
+            m.calls.clear()
+            m.seconds.clear()
+
+    def _finish(self) -> None:
+        self.stats.target_calls = Counter(self.target.calls)
+        self.stats.target_seconds = sum(self.target.seconds.values())
+        if self.draft is not None:
+            self.stats.draft_calls = Counter(self.draft.calls)
+            self.stats.draft_seconds = sum(self.draft.seconds.values())
+
+    def _clip(self, tokens: list[int], budget: int) -> tuple[list[int], bool]:
+        """Cut at the budget and after an end-of-sequence token; (tokens, stop)."""
+        out: list[int] = []
+        for t in tokens[:budget]:
+            out.append(t)
+            if t in self.target.eos_ids:
+                return out, True
+        return out, len(out) >= budget

@@ -1,0 +1,104 @@
+"""chain: classic draft-then-verify speculative decoding.
+
+State between rounds: both caches hold the committed text except the newest token `pending`,
+which the target has not seen yet. A round drafts up to gamma tokens with the draft model
+(one width-1 call each), then runs the target once on [pending, d1..dg] through its narrowest
+graph of width >= gamma+1 (causal mask; padding rows are masked off by the cache manager).
+Row i of that call predicts the token after d_i, so accepting k drafts emits k+1 tokens
+(the k drafts and the target's correction or bonus) for one target call; the target
+commits the rows of pending and the k accepted drafts, and the draft cache is rolled back to
+what the target accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from toolchain.errors import MobcError
+from toolchain.runtime.model import StepModel
+from toolchain.runtime.policies.base import Policy
+from toolchain.runtime.policies.sampling import Sampler, accept_chain
+
+
+class Chain(Policy):
+    name = "chain"
+
+    def __init__(self, target: StepModel, draft: StepModel | None = None, gamma: int = 4):
+        if draft is None:
+            raise MobcError("policy chain needs a draft model: pass --draft <artifact folder>")
+        if draft.vocab != target.vocab:
+            raise MobcError(
+                f"draft {draft.name} has vocabulary {draft.vocab} but target {target.name} has "
+                f"{target.vocab}; a draft must share the target's tokenizer"
+            )
+        if gamma < 1:
+            raise MobcError("gamma (draft tokens per round) must be >= 1")
+        super().__init__(target, draft)
+        self.gamma = gamma
+        target.family_for(gamma + 1)  # fail early, with the fix, when no verify graph is wide enough
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
+        assert self.draft is not None
+        draft, target = self.draft, self.target
+        self._start(prompt)
+        t_logits = target.prefill(prompt)
+        draft.prefill(prompt)
+        self._end_prefill()
+        pending = sampler.pick(t_logits)
+        n = 1
+        self.stats.tokens = 1
+        try:
+            yield [pending]
+            if pending in target.eos_ids:
+                return
+            todo = [pending]  # committed text the draft has not consumed yet (ends with pending)
+            while n < max_new_tokens:
+                g = min(self.gamma, max_new_tokens - n)
+                if not (target.room(g + 1) and draft.room(1) and draft.cache.free(1) >= len(todo) + g):
+                    # out of context for a verify round: finish with plain target steps, like ar
+                    if not target.room(1):
+                        return
+                    pending = sampler.pick(target.feed([pending]))
+                    n += 1
+                    self.stats.tokens = n
+                    yield [pending]
+                    if pending in target.eos_ids:
+                        return
+                    todo.append(pending)
+                    continue
+                base = draft.length
+                drafts: list[int] = []
+                qs: list[np.ndarray | None] = []
+                feed = todo
+                for _ in range(g):
+                    for tok in feed:  # width-1 calls: todo has 1-2 tokens, a prefill graph would waste
+                        logits = draft.feed([tok])
+                    if sampler.greedy:
+                        drafts.append(int(np.argmax(logits)))
+                        qs.append(None)
+                    else:
+                        q = sampler.probs(logits)
+                        drafts.append(sampler.sample(q))
+                        qs.append(q)
+                    feed = [drafts[-1]]
+                v_logits = target.forward([pending, *drafts])
+                k, nxt = accept_chain(v_logits, drafts, qs, sampler)
+                target.commit(range(k + 1))
+                self.stats.accepted.append(k)
+                # the draft consumed todo + drafts[:g-1]; keep only what the target accepted
+                if k < g:
+                    draft.truncate(base + len(todo) + k)
+                    todo = [nxt]
+                else:
+                    todo = [drafts[-1], nxt]
+                new, stop = self._clip([*drafts[:k], nxt], max_new_tokens - n)
+                n += len(new)
+                self.stats.tokens = n
+                pending = nxt
+                yield new
+                if stop:
+                    return
+        finally:
+            self._finish()
