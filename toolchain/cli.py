@@ -123,6 +123,12 @@ def verify(artifact: Path = typer.Argument(..., help="artifact folder written by
     console.print(f"[bold green]verified[/] {artifact}")
 
 
+# `mobc hub compile|profile|calibrate` (toolchain/hub_cli.py; light to import: qai_hub loads on use)
+from toolchain.hub_cli import hub_app  # noqa: E402
+
+app.add_typer(hub_app, name="hub")
+
+
 def main() -> None:
     try:
         app()

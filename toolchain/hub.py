@@ -37,6 +37,7 @@ LIST_DEVICES_HINT = (
     'run `qai-hub list-devices` and pass one of its names, e.g. --device "Samsung Galaxy S24 (Family)"'
 )
 WEIGHT_SHARING_ATTR = "htp-supports-weight-sharing:true"
+RUNTIMES = ("qnn_context_binary", "qnn_dlc", "precompiled_qnn_onnx")  # AI Hub --target_runtime values
 
 # (shape, dtype) per input name, the form qai_hub's input_specs accepts.
 InputSpecs = dict[str, tuple[tuple[int, ...], str]]
