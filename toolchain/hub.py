@@ -165,10 +165,15 @@ def translate_errors(action: str) -> Iterator[None]:
         raise HubError(f"cannot {action}: AI Hub failed internally: {_detail(e)}") from None
     except QaiHubError as e:
         raise HubError(f"cannot {action}: {_detail(e)}") from None
-    except OSError as e:  # requests' ConnectionError is an OSError; so are socket errors
-        raise HubUnreachableError(
-            f"cannot {action}: network error ({e}); check the network, then retry"
-        ) from None
+    except OSError as e:
+        import requests
+
+        # requests' errors (refused, DNS, TLS, timeouts) are OSErrors; so are local file errors
+        if isinstance(e, requests.exceptions.RequestException | ConnectionError | TimeoutError):
+            raise HubUnreachableError(
+                f"cannot {action}: network error ({e}); check the network, then retry"
+            ) from None
+        raise HubError(f"cannot {action}: {e}") from None
 
 
 class RealHubClient:

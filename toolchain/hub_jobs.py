@@ -309,6 +309,27 @@ def hub_profile(
     return profiles
 
 
+def _base_for(record: dict[str, Any] | None, device_name: str | None) -> Any:
+    """The built-in profile for the device: by its AI Hub name, else by its chipset attribute."""
+    from toolchain.runtime.cost import DeviceProfileError, available_profiles, load_profile
+
+    dev = record["device"] if record else {"name": device_name, "attributes": []}
+    if dev["name"] is None:
+        raise HubError(
+            "say which device the profiles come from: --base snapdragon-8-gen-3 (or --device NAME)"
+        )
+    chipsets = [a.split(":", 1)[1] for a in dev.get("attributes", []) if a.startswith("chipset:")]
+    for name in [dev["name"], *chipsets]:
+        try:
+            return load_profile(name)
+        except DeviceProfileError:
+            continue
+    raise HubError(
+        f"no built-in device profile matches {dev['name']!r}; pass --base with one of "
+        f"{', '.join(available_profiles())} (the closest chipset)"
+    )
+
+
 def hub_calibrate(
     artifact: Path,
     device_name: str | None = None,
@@ -343,12 +364,7 @@ def hub_calibrate(
     unknown = sorted(set(profiles) - set(by_name))
     if unknown:
         raise HubError(f"no graph named {', '.join(unknown)} in this artifact; graphs: {', '.join(by_name)}")
-    base_name = base or (record["device"]["name"] if record else device_name)
-    if base_name is None:
-        raise HubError(
-            "say which device the profiles come from: --base snapdragon-8-gen-3 (or --device NAME)"
-        )
-    base_profile = load_profile(base_name)
+    base_profile = load_profile(base) if base else _base_for(record, device_name)
     ms = [measure(g, p, graph_cost(artifact / by_name[g]["file"])) for g, p in profiles.items()]
     fitted = calibrate(base_profile, ms, name=f"{slug}-measured")
     if out is None:

@@ -185,8 +185,11 @@ def test_translation_of_qai_hub_errors():
         ),
         (UserError("Model file is too large"), HubError, "refused the request: Model file is too large"),
         (ConnectionRefusedError(111, "refused"), HubUnreachableError, "network error"),
+        (PermissionError(13, "Permission denied"), HubError, "Permission denied"),
     ]
     for exc, error, text in cases:
-        with pytest.raises(error, match=text):
+        with pytest.raises(error, match=text) as caught:
             with translate_errors("do it"):
                 raise exc
+        if isinstance(exc, PermissionError):  # a local file problem is not a network problem
+            assert not isinstance(caught.value, HubUnreachableError)

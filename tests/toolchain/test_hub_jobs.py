@@ -271,3 +271,14 @@ def test_cli_dry_run_prints_calls_and_writes_nothing(tmp_path):
     assert _snapshot(art) == before
     res = runner.invoke(hub_app, ["calibrate", str(art), "--profile", "decode"])
     assert isinstance(res.exception, MobcError) and "GRAPH=FILE" in str(res.exception)
+
+
+def test_calibrate_finds_the_base_profile_by_chipset(tmp_path):
+    art = make_artifact(tmp_path / "a")
+    qrd = "Snapdragon 8 Elite QRD"
+    fake = FakeQaiHub(devices={qrd: ("15", ("chipset:qualcomm-snapdragon-8-elite", "framework:qnn"))})
+    hub = RecordingHubClient(fake)
+    hub_compile(art, qrd, hub, say=lambda *_: None)
+    hub_profile(art, qrd, hub, say=lambda *_: None)
+    fitted, _ = hub_calibrate(art, qrd)
+    assert fitted.calibration["base"] == "snapdragon-8-elite"
