@@ -182,7 +182,12 @@ def main() -> int:
     ap.add_argument(
         "--tiny", action="store_true", help="export a tiny Llama built from a config (offline, fast)"
     )
-    ap.add_argument("--out", type=Path, default=ROOT / "ci-out", help="where results go (default: ci-out/)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "build" / "ci-out",
+        help="where results go (default: build/ci-out/, git-ignored)",
+    )
     ap.add_argument("--device", default=DEFAULT_DEVICE, help=f"AI Hub device (default: {DEFAULT_DEVICE})")
     ap.add_argument("--no-qnn", dest="qnn", action="store_false", help="skip local QNN context binaries")
     args = ap.parse_args()
