@@ -127,10 +127,15 @@ def _detail(exc: BaseException) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
+def client_ini() -> Path:
+    """Where qai_hub reads its token: $QAIHUB_CLIENT_INI, else ~/.qai_hub/client.ini."""
+    default = os.path.join("~", ".qai_hub", "client.ini")
+    return Path(os.path.expanduser(os.environ.get("QAIHUB_CLIENT_INI", default)))
+
+
 def token_configured() -> bool:
     """Whether a client.ini exists where qai_hub looks for it (no network)."""
-    default = os.path.join("~", ".qai_hub", "client.ini")
-    return Path(os.path.expanduser(os.environ.get("QAIHUB_CLIENT_INI", default))).is_file()
+    return client_ini().is_file()
 
 
 @contextmanager
@@ -147,7 +152,8 @@ def translate_errors(action: str) -> Iterator[None]:
         msg = str(e)
         if "client configuration" in msg or "configuration file" in msg or "API token is missing" in msg:
             raise HubNotConfiguredError(
-                f"cannot {action}: no Qualcomm AI Hub API token is configured; {CONFIGURE_HINT}"
+                f"cannot {action}: no Qualcomm AI Hub API token is configured ({client_ini()} is missing "
+                f"or incomplete); {CONFIGURE_HINT}"
             ) from None
         if "Failed to authenticate" in msg:
             raise HubNotConfiguredError(
