@@ -129,13 +129,40 @@ from toolchain.hub_cli import hub_app  # noqa: E402
 app.add_typer(hub_app, name="hub")
 
 
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluate an artifact's graphs.")
+app.add_typer(eval_app, name="eval")
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    artifact: Path = typer.Argument(..., help="artifact folder (its quantized/ graphs are compared if present)"),
+    text: Path | None = typer.Option(None, "--text", help="text file (default: held-out stdlib sources)"),
+    tokens: int = typer.Option(2048, "--tokens", help="tokens of text to score"),
+) -> None:
+    """Perplexity of float vs quantized graphs on held-out text, with the relative change."""
+    from toolchain.quantize.ppl import eval_artifact, ppl_table
+    from toolchain.report import rich_table
+
+    result = eval_artifact(artifact, tokens, text.read_text() if text else None)
+    console.print(rich_table(f"Perplexity on {result['tokens']} tokens of {result['text']}", ppl_table(result)))
+
+
+# `mobc run`, `mobc bench decode`, `mobc train draft` (toolchain/runtime_cli.py)
+from toolchain.runtime_cli import bench_app, train_app  # noqa: E402
+from toolchain.runtime_cli import run as _run  # noqa: E402
+
+app.command("run")(_run)
+app.add_typer(bench_app, name="bench")
+app.add_typer(train_app, name="train")
+
+
 def main() -> None:
     try:
         app()
     except MobcError as exc:
         if _state["debug"]:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/]")

@@ -66,15 +66,26 @@ def name_nodes(model: ir.Model) -> None:
 
 
 def name_initializers(model: ir.Model) -> None:
-    """'model.model.layers.0.self_attn.q_proj.weight' -> 'layers.0.self_attn.q_proj.weight'."""
+    """Parameter names without the wrapper prefix ('layers.0.self_attn.q_proj.weight'); constants
+    the exporter folded (e.g. transposed Linear weights, 'val_16') are named after their consumer."""
+    taken = set(model.graph.initializers)
     for value in list(model.graph.initializers.values()):
         name = value.name or ""
+        new = None
         for prefix in ("model.model.", "model."):
             if name.startswith(prefix):
                 new = name[len(prefix):]
-                if new not in model.graph.initializers:
-                    value.name = new
                 break
+        else:
+            users = value.uses()
+            if name.startswith("val_") and len(users) == 1:
+                module = users[0].node.name.rsplit("/", 1)[0]
+                is_weight = users[0].node.op_type in ("MatMul", "Gemm") and len(value.shape or ()) == 2
+                new = f"{module}.weight" if is_weight else f"{module}.const"
+        if new and new not in taken:
+            taken.discard(name)
+            taken.add(new)
+            value.name = new
 
 
 def export_step_graph(model: Any, layout: StepLayout, graph_name: str = "step") -> ir.Model:

@@ -157,14 +157,47 @@ def _quiet():
         tf_logger.setLevel(level)
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("MOBC_CACHE", Path.home() / ".cache" / "mobc"))
+
+
+def _write_gguf_cache(model: Any, tokenizer: Any, target: Path) -> None:
+    """GGUF dequantization takes 25-80 s per load; a float safetensors copy loads in seconds.
+
+    GGUF-loaded models refuse save_pretrained, so the weights go through a fresh model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config)
+    fresh.load_state_dict(model.state_dict())
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+
+
 def load(spec: SourceSpec, base: Path | None = None) -> LoadedModel:
-    """Loads the model in float32 with eager attention, and its tokenizer, strictly offline."""
+    """Loads the model in float32 with eager attention, and its tokenizer, strictly offline.
+
+    GGUF sources are converted once into a float checkpoint under $MOBC_CACHE (default
+    ~/.cache/mobc), keyed by the GGUF's sha256, so later loads skip the dequantization.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, gguf = resolve(spec, base)
+    source_files = [folder / gguf] if gguf else sorted(
+        p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json", ".model"}
+    )
+    fingerprint = _fingerprint([p.resolve() for p in source_files])
     kw: dict[str, Any] = {"local_files_only": True}
+    cached = cache_root() / "models" / fingerprint[:24]
+    if gguf and (cached / "config.json").is_file():
+        folder, gguf = cached, None
     if gguf:
         kw["gguf_file"] = gguf
     try:
@@ -182,14 +215,18 @@ def load(spec: SourceSpec, base: Path | None = None) -> LoadedModel:
         raise SourceError(f"source {spec.describe()}: could not load the model offline: {exc}") from None
     check_architecture(model.config)
     model.eval()
-    files = [folder / gguf] if gguf else sorted(
-        p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json", ".model"}
-    )
+    if gguf:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            with _quiet():
+                _write_gguf_cache(model, tokenizer, cached)
+        except OSError:
+            pass  # the cache is an optimization; a read-only home must not fail the compile
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         config=model.config,
         description=spec.describe(),
-        fingerprint=_fingerprint([p.resolve() for p in files]),
-        files=[str(p) for p in files],
+        fingerprint=fingerprint,
+        files=[str(p) for p in source_files],
     )
