@@ -28,6 +28,8 @@ compile: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+	# the offline CI export job (ci/) on a tiny recipe: compile, verify, local QNN binaries, AI Hub dry run
+	$(PY) ci/export.py --tiny
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
