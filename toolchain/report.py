@@ -54,15 +54,29 @@ def verification_rows(m: dict[str, Any]) -> Rows:
     return head, rows
 
 
-def pass_rows(m: dict[str, Any]) -> Rows:
-    head = ["pass", "seconds", "nodes before -> after", "weights before -> after", "max |diff|", "worst output"]
+def ops_delta(before: dict[str, int], after: dict[str, int], limit: int = 6) -> str:
+    """'MatMul 210->0, Conv 0->210': the op types a pass changed, largest change first."""
+    changes = []
+    for op in sorted(set(before) | set(after)):
+        a, b = before.get(op, 0), after.get(op, 0)
+        if a != b:
+            changes.append((abs(b - a), f"{op} {a}->{b}"))
+    changes.sort(key=lambda c: -c[0])
+    text = ", ".join(c for _, c in changes[:limit])
+    return (text + (f" (+{len(changes) - limit} more)" if len(changes) > limit else "")) or "-"
+
+
+def pass_rows(m: dict[str, Any] | list[dict[str, Any]]) -> Rows:
+    """One row per pass (rows as toolchain.pass_runner.run_passes records them)."""
+    rows_in = m.get("passes", []) if isinstance(m, dict) else m
+    head = ["pass", "graphs", "nodes", "weights MB", "max |diff|", "worst output", "s", "ops changed"]
     rows = []
-    for r in m.get("passes", []):
-        nb = sum(r.get("ops_before", {}).values())
-        na = sum(r.get("ops_after", {}).values())
-        rows.append([r.get("pass", "?"), f"{r.get('seconds', 0):.2f}", f"{nb} -> {na}",
-                     f"{_mb(r.get('weight_bytes_before', 0))} -> {_mb(r.get('weight_bytes_after', 0))}",
-                     f"{r.get('max_abs_diff', 0):.2e}", str(r.get("worst_output", ""))])
+    for r in rows_in:
+        worst = r["worst"]
+        rows.append([r["pass"], str(len(r["graphs_after"])), f"{r['nodes_before']}->{r['nodes_after']}",
+                     f"{r['weight_bytes_before'] / 1e6:.1f}->{r['weight_bytes_after'] / 1e6:.1f}",
+                     f"{worst['diff']:.2e}", f"{worst['family']}.{worst['output']}", f"{r['seconds']:.2f}",
+                     ops_delta(r["ops_before"], r["ops_after"])])
     return head, rows
 
 
