@@ -6,3 +6,4 @@ __all__ = ["PASSES", "build", "register"]
 
 # importing a pass module registers it
 from passes import fold_constants, split_layers, split_lm_head  # noqa: E402,F401
+from passes import scale_rmsnorm  # noqa: E402,F401
