@@ -19,7 +19,7 @@ from toolchain import __version__
 from toolchain.artifacts import staging, write_graphs, write_manifest, write_rope
 from toolchain.capture import StepLayout, layout_for, rope_tables
 from toolchain.errors import VerificationError
-from toolchain.export import export_step_graph
+from toolchain.export import export_cached
 from toolchain.graphset import GraphEntry, GraphSet
 from toolchain.recipe import Recipe, check_against_model, load_recipe
 from toolchain.report import write_report
@@ -99,7 +99,7 @@ def export_graphs(recipe: Recipe, loaded: LoadedModel, timer: _Timer) -> tuple[G
     for name, spec in recipe.graphs.items():
         layout = layout_for(loaded.config, spec.width, spec.context)
         with timer.stage(f"export {name} (N={spec.width}, CL={spec.context})"):
-            model = export_step_graph(loaded.model, layout, graph_name=name)
+            model = export_cached(loaded.model, layout, loaded.fingerprint, graph_name=name)
         graphs.add(GraphEntry(name=name, model=model, family=name, role=recipe.graph_role(name),
                               width=spec.width, context=spec.context))
         layouts[name] = layout
@@ -195,6 +195,11 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
             }
             write_manifest(tmp, manifest)  # provisional: sessions read it; the folder is not in place yet
         manifest["verification"] = verify_artifact(tmp, recipe, loaded, cases, timer)
+        if recipe.quantize:  # after passes and float verification: writes tmp/quantized/
+            from toolchain.quantize.stage import pipeline_quantize, report_section
+
+            manifest["quantization"] = pipeline_quantize(tmp, recipe, loaded, timer)
+            manifest.setdefault("report_sections", []).append(report_section(manifest["quantization"]))
         manifest["timings"] = timer.timings
         write_report(tmp, manifest)
         write_manifest(tmp, manifest)

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolchain.errors import RecipeError
+from toolchain.quantize.schema import QuantizeSpec
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
 GRAPH_ROLES = ("decode", "prefill", "tree", "diffusion", "custom")
@@ -83,6 +84,7 @@ class Recipe(_Strict):
     passes: list[str | dict[str, Any]] = Field(default_factory=list)
     tolerance: Tolerance = Tolerance()
     verify: VerifySpec = VerifySpec()
+    quantize: QuantizeSpec | None = Field(None, description="PTQ/QAT to QDQ graphs (toolchain/quantize)")
     output: str | None = Field(None, description="artifact folder (default exported/<name>)")
 
     @field_validator("graphs")

@@ -1,0 +1,56 @@
+"""One tiny compiled artifact with a quantize section, shared by the quantization tests.
+
+Compiling once (two small graph families) keeps the suite fast; other schemes re-quantize a copy
+of its float graphs with `quantize_artifact`, which takes about a second on tiny graphs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import save_tiny, write_recipe
+
+GRAPHS = "  decode: {width: 1, context: 64}\n  prefill: {width: 8, context: 64}\n"
+QUANT = """quantize:
+  weights: int4
+  activations: int16
+  kv_cache: int8
+  overrides:
+    "lm_head*": {weights: int8}
+  calibration: {samples: 4}
+  eval_tokens: 192
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("qmodel") / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory: pytest.TempPathFactory, tiny_src: Path) -> Path:
+    from toolchain.pipeline import compile_recipe
+
+    root = tmp_path_factory.mktemp("qart")
+    recipe = write_recipe(root / "tiny.yaml", tiny_src, name="tinyq", graphs=GRAPHS,
+                          extra=QUANT)
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 4"))
+    return compile_recipe(recipe).out_dir
+
+
+@pytest.fixture
+def artifact(compiled: Path, tmp_path: Path) -> Path:
+    """A private copy of the float artifact (so each test may write its own quantized/)."""
+    dst = tmp_path / "art"
+    shutil.copytree(compiled, dst, ignore=shutil.ignore_patterns("quantized"))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tokenizer(compiled: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(compiled / "tokenizer")

@@ -1,0 +1,126 @@
+"""Round trips of the QDQ schemes on a tiny model: exact int4 grids, encodings = graph, tied KV, overrides."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from toolchain.quantize.schema import QuantizeSpec
+from toolchain.quantize.stage import quantize_artifact
+from toolchain.runtime.greedy import greedy
+from toolchain.runtime.sessions import ArtifactSessions
+
+
+def load(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    m = onnx.load(path, load_external_data=False)
+    arrays = {i.name: numpy_helper.to_array(i, base_dir=str(path.parent)) for i in m.graph.initializer}
+    return m, arrays
+
+
+def weight_dqs(m: onnx.ModelProto, arrays: dict[str, np.ndarray]):
+    for n in m.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] in arrays and arrays[n.input[0]].ndim >= 2:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            yield n, arrays[n.input[0]], arrays[n.input[1]], attrs
+
+
+def consumer(m: onnx.ModelProto, tensor: str) -> onnx.NodeProto:
+    return next(n for n in m.graph.node if tensor in n.input and n.op_type != "DequantizeLinear")
+
+
+def dequant_output_consumers(m, dq):
+    return [n for n in m.graph.node if dq.output[0] in n.input]
+
+
+def quantize(artifact: Path, tokenizer, **spec) -> Path:
+    quantize_artifact(artifact, QuantizeSpec(**spec), tokenizer)
+    return artifact / "quantized"
+
+
+@pytest.mark.parametrize("spec", [
+    {"weights": "int4", "granularity": "per_channel", "activations": "int16"},
+    {"weights": "int8", "granularity": "per_channel", "activations": "int8"},
+    {"weights": "int4", "granularity": "block", "block_size": 16, "activations": "int16"},
+], ids=["w4a16-channel", "w8a8-channel", "w4a16-block16"])
+def test_weights_exact_on_grid_and_encodings_match(artifact, tokenizer, spec):
+    q = quantize(artifact, tokenizer, **spec)
+    m, arrays = load(q / "decode.onnx")
+    want = onnx.TensorProto.INT4 if spec["weights"] == "int4" else onnx.TensorProto.INT8
+    inits = {i.name: i for i in m.graph.initializer}
+    enc = json.loads((q / "decode.encodings.json").read_text())
+    n_checked = 0
+    for dq, qw, scale, attrs in weight_dqs(m, arrays):
+        if inits[dq.input[0]].data_type != want:
+            continue  # the embedding table (16-bit per tensor)
+        bits = 4 if want == onnx.TensorProto.INT4 else 8
+        assert qw.min() >= -(2 ** (bits - 1)) and qw.max() <= 2 ** (bits - 1) - 1
+        if spec["granularity"] == "block":
+            assert attrs["block_size"] == 16
+            deq = qw.astype(np.float32) * np.repeat(scale, 16, axis=attrs["axis"])
+        else:
+            assert scale.ndim == 1 and attrs["axis"] == 1  # per output channel of a MatMul [in, out]
+            deq = qw.astype(np.float32) * scale
+        # dequantized weights are exactly representable: they re-quantize to the same integers
+        requant = np.round(deq / (np.repeat(scale, 16, axis=attrs["axis"]) if "block_size" in attrs else scale))
+        np.testing.assert_array_equal(requant, qw)
+        # the encodings JSON carries the graph's scales, with AIMET's signed offset convention
+        e = enc["param_encodings"][dq.input[0].removesuffix("_quantized")]
+        np.testing.assert_allclose([x["scale"] for x in e], scale.ravel(), rtol=1e-6)
+        assert {x["bitwidth"] for x in e} == {bits} and {x["offset"] for x in e} == {-(2 ** (bits - 1))}
+        n_checked += 1
+    assert n_checked >= 14  # 7 linears per layer x 2 layers (+ lm_head)
+    # activations are unsigned (QNN convention) at the requested width
+    act_bits = {e[0]["bitwidth"] for e in enc["activation_encodings"].values()}
+    assert (16 if spec["activations"] == "int16" else 8) in act_bits
+    # sizes drop: int4/int8 weights are smaller than float
+    man = json.loads((q / "manifest.json").read_text())
+    assert man["weights"]["bytes"] < 0.5 * json.loads((artifact / "manifest.json").read_text())["weights"]["bytes"]
+
+
+def test_kv_encodings_tied_across_inputs_outputs_and_families(artifact, tokenizer):
+    q = quantize(artifact, tokenizer, activations="int16", kv_cache="int8")
+    encs = {g: json.loads((q / f"{g}.encodings.json").read_text())["activation_encodings"]
+            for g in ("decode", "prefill")}
+    for i in range(2):
+        for kind in ("key", "value"):
+            seen = {(e[0]["scale"], e[0]["offset"], e[0]["bitwidth"])
+                    for g in encs.values() for name in (f"past_{kind}_{i}", f"new_{kind}_{i}")
+                    for e in [g[name]]}
+            assert len(seen) == 1, (kind, i, seen)
+            assert next(iter(seen))[2] == 8
+    man = json.loads((q / "manifest.json").read_text())
+    assert set(man["quantization"]["kv_encodings"]) == {"key_0", "key_1", "value_0", "value_1"}
+
+
+def test_overrides_by_pattern(artifact, tokenizer):
+    q = quantize(artifact, tokenizer, activations="int8",
+                 overrides={"lm_head*": {"weights": "int8"}, "*input_layernorm*": {"activations": "int16"},
+                            "layers.1.mlp.down_proj*": {"weights": "float"}})
+    m, arrays = load(q / "decode.onnx")
+    inits = {i.name: i for i in m.graph.initializer}
+    by_node = {}
+    for dq, *_ in weight_dqs(m, arrays):
+        for c in dequant_output_consumers(m, dq):
+            by_node[c.name] = inits[dq.input[0]].data_type
+    assert by_node["lm_head/MatMul"] == onnx.TensorProto.INT8
+    assert by_node["layers.0.self_attn.q_proj/MatMul"] == onnx.TensorProto.INT4
+    assert "layers.1.mlp.down_proj/MatMul" not in by_node  # excluded: float weights
+    acts = json.loads((q / "decode.encodings.json").read_text())["activation_encodings"]
+    norm_out = next(n.output[0] for n in onnx.load(artifact / "decode.onnx", load_external_data=False).graph.node
+                    if n.name == "layers.0.input_layernorm/Mul_1")
+    assert acts[norm_out][0]["bitwidth"] == 16
+    assert acts["input_ids" if "input_ids" in acts else next(iter(acts))][0]["bitwidth"] in (8, 16)
+
+
+def test_quantized_artifact_runs_with_the_runtime_cache(artifact, tokenizer):
+    q = quantize(artifact, tokenizer)
+    sessions = ArtifactSessions(q)  # a complete artifact: manifest, rope, tokenizer
+    out = greedy(sessions, tokenizer("def f(x):").input_ids, 6)
+    assert len(out) == 6
+    assert all(g["inputs"] == f["inputs"] for g, f in zip(
+        sessions.manifest["graphs"], ArtifactSessions(artifact).manifest["graphs"], strict=True))

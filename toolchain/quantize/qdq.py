@@ -1,0 +1,247 @@
+"""QDQ emission with onnxruntime.quantization's QNN-oriented tooling, driven by mobc's recipe.
+
+What onnxruntime does (unchanged): `get_qnn_qdq_config` (QNN compatibility fixes and
+mixed-precision converts between 8- and 16-bit regions) and `quantize_static` (Q/DQ insertion,
+int4/int8 weights per channel or per block, opset-21 DequantizeLinear).
+
+What mobc adds here, because onnxruntime cannot know it:
+- per-tensor overrides from name patterns (recipe `overrides:`) onto the weights and outputs of
+  matching nodes, so `lm_head*: {weights: int8}` or `*norm*: {activations: int16}` work on any
+  graph (plain export, SHA, conv) without knowing generated tensor names like val_2752;
+- constant Transposes of weights folded first (the tied lm_head is Transpose(embedding)), else
+  onnxruntime would quantize the weight as an activation, per tensor;
+- KV cache encodings tied: past_key_i and new_key_i (and past_value_i/new_value_i) of every
+  graph family get one explicit scale/zero-point from the union of their calibrated ranges, so
+  the runtime can feed outputs back as inputs without requantizing;
+- QAT results (learned weight clipping and activation ranges), applied as clipped weights and
+  rmin/rmax overrides, so the emitted scales are the learned ones.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_static
+from onnxruntime.quantization.calibrate import TensorsData, save_tensors_data
+from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+from toolchain.quantize.schema import QuantizeSpec
+
+WEIGHT_QTYPES = {"int4": QuantType.QInt4, "int8": QuantType.QInt8, "int16": QuantType.QInt16}
+# QNN HTP convention: activations unsigned with a zero point (asymmetric)
+ACT_QTYPES = {"int8": QuantType.QUInt8, "int16": QuantType.QUInt16}
+KV_PATTERN = re.compile(r"^(past|new)_(key|value)_(\d+)$")
+WEIGHT_OPS = {"MatMul": 1, "Gemm": 1, "Conv": 1}
+
+
+@dataclass
+class QatResult:
+    """What QAT learned, keyed by ONNX node-name fragment (e.g. layers.0.self_attn.q_proj)."""
+
+    weight_clip: dict[str, np.ndarray] = field(default_factory=dict)  # per output channel |w| limit
+    act_range: dict[str, tuple[float, float]] = field(default_factory=dict)  # input range of the linear
+    weights: dict[str, np.ndarray] = field(default_factory=dict)  # fine-tuned [out, in] (train_weights)
+
+
+def uint_params(lo: float, hi: float, bits: int) -> tuple[float, int]:
+    """Asymmetric unsigned scale/zero-point with 0 exactly representable (as onnxruntime computes)."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    qmax = (1 << bits) - 1
+    scale = max(hi - lo, 1e-4) / qmax
+    zp = int(np.clip(round(-lo / scale), 0, qmax))
+    return float(scale), zp
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*{pattern}")
+
+
+def fold_weight_transposes(model: onnx.ModelProto) -> int:
+    """Transpose(initializer) -> a transposed initializer, so every weight is a real initializer."""
+    inits = {i.name: i for i in model.graph.initializer}
+    keep, folded = [], 0
+    for node in model.graph.node:
+        if node.op_type == "Transpose" and node.input[0] in inits:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            arr = numpy_helper.to_array(inits[node.input[0]])
+            model.graph.initializer.append(numpy_helper.from_array(np.transpose(arr, perm).copy(), node.output[0]))
+            folded += 1
+            continue
+        keep.append(node)
+    if folded:
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
+        used = {i for n in keep for i in n.input}
+        unused = [i for i in model.graph.initializer if i.name not in used]
+        for i in unused:
+            model.graph.initializer.remove(i)
+    return folded
+
+
+def weight_axis(op: str, rank: int, block: bool) -> int:
+    """Per-channel axis = output channels; block axis = the reduction (input) axis."""
+    if op == "Conv":
+        return 1 if block else 0
+    if op == "Gemm":
+        return 1 if block else 0  # mobc exports Gemm with transB=1: [out, in]
+    return 0 if block else rank - 1  # MatMul [in, out]
+
+
+def node_overrides(spec: QuantizeSpec, node_name: str) -> dict[str, Any]:
+    """Merged overrides of every pattern matching the node name (later patterns win)."""
+    merged: dict[str, Any] = {}
+    for pattern, ov in spec.overrides.items():
+        if _matches(node_name, pattern):
+            merged.update(ov.model_dump(exclude_none=True))
+    return merged
+
+
+def build_overrides(model: onnx.ModelProto, spec: QuantizeSpec, kv_params: dict[str, tuple[float, int]],
+                    qat: QatResult | None = None,
+                    ranges: TensorsData | None = None) -> tuple[dict, dict, list[str], dict]:
+    """TensorQuantOverrides (general, KV cache) + excluded node names + each weight's scheme."""
+    inits = {i.name: i for i in model.graph.initializer}
+    ov: dict[str, list[dict[str, Any]]] = {}
+    kv: dict[str, list[dict[str, Any]]] = {}
+    exclude: list[str] = []
+    schemes: dict[str, dict[str, Any]] = {}
+    for node in model.graph.node:
+        o = node_overrides(spec, node.name)
+        if o.get("weights") == "float" or o.get("activations") == "float":
+            exclude.append(node.name)
+            continue
+        widx = WEIGHT_OPS.get(node.op_type)
+        if widx is not None and len(node.input) > widx and node.input[widx] in inits:
+            w = inits[node.input[widx]]
+            wtype = o.get("weights", spec.weights)
+            gran = o.get("granularity", spec.granularity)
+            entry: dict[str, Any] = {"quant_type": WEIGHT_QTYPES[wtype], "symmetric": True}
+            if gran != "per_tensor":
+                entry["axis"] = weight_axis(node.op_type, len(w.dims), gran == "block")
+            ov[w.name] = [entry]
+            schemes[w.name] = {"node": node.name, "dtype": wtype, "granularity": gran,
+                               "axis": entry.get("axis"), "symmetric": True,
+                               "block_size": spec.block_size if gran == "block" else None}
+            if qat and (rng := _qat_lookup(qat.act_range, node.name)) is not None:
+                ov.setdefault(node.input[0], [{}])[0].update(rmin=np.float32(rng[0]), rmax=np.float32(rng[1]))
+        if node.op_type == "Gather" and node.input[0] in inits:
+            etype = o.get("weights", spec.embedding)
+            if etype == "float":
+                exclude.append(node.name)
+            else:
+                ov[node.input[0]] = [{"quant_type": ACT_QTYPES.get(etype, WEIGHT_QTYPES.get(etype))}]
+                schemes[node.input[0]] = {"node": node.name, "dtype": etype, "granularity": "per_tensor"}
+        if "activations" in o:
+            for out in node.output:
+                if out and not KV_PATTERN.match(out):
+                    ov.setdefault(out, [{}])[0]["quant_type"] = ACT_QTYPES[o["activations"]]
+    kv_bits = 16 if spec.kv_type == "int16" else 8
+    producer = {o: n for n in model.graph.node for o in n.output}
+    names = [v.name for v in model.graph.input] + [v.name for v in model.graph.output]
+    for name in names:
+        m = KV_PATTERN.match(name)
+        if not m:
+            continue
+        scale, zp = kv_params[f"{m.group(2)}_{m.group(3)}"]
+        enc = {"quant_type": ACT_QTYPES[spec.kv_type], "scale": np.array(scale, np.float32),
+               "zero_point": np.array(zp, np.uint16 if kv_bits == 16 else np.uint8)}
+        # onnxruntime gives a Transpose/Reshape output its input's encoding, so the tie must reach
+        # back through those to the tensor that really produces the K/V rows
+        for t in kv_chain(name, producer):
+            kv[t] = [dict(enc)]
+    return ov, kv, exclude, schemes
+
+
+PASSTHROUGH = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+
+
+def kv_chain(name: str, producer: dict[str, onnx.NodeProto]) -> list[str]:
+    chain = [name]
+    node = producer.get(name)
+    while node is not None and node.op_type in PASSTHROUGH:
+        chain.append(node.input[0])
+        node = producer.get(node.input[0])
+    return chain
+
+
+def _qat_lookup(table: dict[str, Any], node_name: str) -> Any:
+    for frag, value in table.items():
+        if node_name.startswith(frag + "/") or node_name == frag:
+            return value
+    return None
+
+
+def apply_qat_weights(model: onnx.ModelProto, qat: QatResult) -> int:
+    """Writes fine-tuned weights and clips each output channel to its learned limit, so
+    onnxruntime's symmetric min/max scale (max|w| / qmax) equals the learned scale."""
+    inits = {i.name: i for i in model.graph.initializer}
+    changed = 0
+    for node in model.graph.node:
+        widx = WEIGHT_OPS.get(node.op_type)
+        if widx is None or len(node.input) <= widx or node.input[widx] not in inits:
+            continue
+        clip = _qat_lookup(qat.weight_clip, node.name)
+        new_w = _qat_lookup(qat.weights, node.name)
+        if clip is None and new_w is None:
+            continue
+        init = inits[node.input[widx]]
+        arr = numpy_helper.to_array(init).astype(np.float32)
+        out_axis = weight_axis(node.op_type, arr.ndim, False)
+        if new_w is not None:  # torch [out, in] -> graph layout
+            arr = new_w.T.reshape(arr.shape) if out_axis == arr.ndim - 1 else new_w.reshape(arr.shape)
+        if clip is not None:
+            shape = [1] * arr.ndim
+            shape[out_axis] = -1
+            c = clip.reshape(shape)
+            arr = np.clip(arr, -c, c)
+        init.CopyFrom(numpy_helper.from_array(arr.astype(np.float32), init.name))
+        changed += 1
+    return changed
+
+
+class _ListReader(CalibrationDataReader):
+    def __init__(self, feeds: Iterator[dict[str, np.ndarray]]):
+        self.feeds = feeds
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self.feeds, None)
+
+
+def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData,
+                   kv_params: dict[str, tuple[float, int]], qat: QatResult | None = None) -> dict[str, Any]:
+    """Float graph file -> QDQ graph file (external data beside it). Returns the weight schemes."""
+    model = onnx.load(src)
+    folded = fold_weight_transposes(model)
+    if qat:
+        apply_qat_weights(model, qat)
+    ov, kv, exclude, schemes = build_overrides(model, spec, kv_params, qat, ranges)
+    cache = dst.parent / f".{dst.stem}.calib.json"
+    # tensors that became initializers (folded transposes) must not keep an activation range
+    inits = {i.name for i in model.graph.initializer}
+    save_tensors_data(TensorsData(ranges.calibration_method,
+                                  {k: v for k, v in ranges.data.items() if k not in inits}), cache)
+    act = ACT_QTYPES[spec.activations]
+    cfg = get_qnn_qdq_config(model, _ListReader(iter(())), activation_type=act,
+                             weight_type=WEIGHT_QTYPES[spec.weights], init_overrides=ov,
+                             nodes_to_exclude=exclude or None)
+    extra = dict(cfg.extra_options)
+    # KV encodings are explicit scale/zero-point: set after onnxruntime's mixed-precision fixer,
+    # which rejects a fixed 8-bit chain (producer -> Transpose -> output) inside a 16-bit graph
+    extra["TensorQuantOverrides"] = {**extra["TensorQuantOverrides"], **kv}
+    if spec.granularity == "block":
+        extra["BlockSize"] = spec.block_size
+    logging.getLogger().setLevel(logging.ERROR)  # onnxruntime warns about pre-processing on every call
+    quantize_static(model, dst, calibration_data_reader=None, op_types_to_quantize=cfg.op_types_to_quantize,
+                    activation_type=act, weight_type=WEIGHT_QTYPES[spec.weights], nodes_to_exclude=exclude or None,
+                    use_external_data_format=True, extra_options=extra, calibration_cache_path=cache)
+    cache.unlink(missing_ok=True)
+    return {"weights": schemes, "folded_transposes": folded, "excluded_nodes": exclude}

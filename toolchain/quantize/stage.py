@@ -1,0 +1,162 @@
+"""The pipeline's `quantize` stage: float artifact folder -> <folder>/quantized/ sub-artifact.
+
+It runs on the float graphs as emitted (after every pass, so on SHA/conv/split graphs alike), and
+writes a complete artifact of its own (graphs, one shared weights.bin, rope, tokenizer, manifest,
+AIMET encodings per graph), so the runtime opens it with `ArtifactSessions(folder / "quantized")`
+and feeds it exactly what KVCache builds for the float graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from toolchain.artifacts import ROPE, write_graphs, write_manifest
+from toolchain.graphset import GraphEntry, GraphSet
+from toolchain.quantize.calibrate import calibrate_family, corpus_tokens, tensor_range
+from toolchain.quantize.encodings import scheme_summary, write_encodings
+from toolchain.quantize.ppl import QUANT_DIR
+from toolchain.quantize.qdq import KV_PATTERN, QatResult, quantize_graph, uint_params
+from toolchain.quantize.schema import QuantizeSpec
+from toolchain.runtime.sessions import ArtifactSessions
+
+
+def tie_kv(ranges: dict[str, Any], spec: QuantizeSpec) -> tuple[dict[str, tuple[float, int]], dict[str, Any]]:
+    """One (scale, zero point) per key_i / value_i: union of past_* and new_* ranges over all graphs."""
+    union: dict[str, list[float]] = {}
+    for tensors in ranges.values():
+        for name in tensors.data:
+            m = KV_PATTERN.match(name)
+            if not m:
+                continue
+            lo, hi = tensor_range(tensors, name)
+            key = f"{m.group(2)}_{m.group(3)}"
+            cur = union.setdefault(key, [0.0, 0.0])
+            cur[0], cur[1] = min(cur[0], lo), max(cur[1], hi)
+    bits = 16 if spec.kv_type == "int16" else 8
+    params = {k: uint_params(lo, hi, bits) for k, (lo, hi) in union.items()}
+    record = {k: {"scale": s, "zero_point": z, "bits": bits, "range": union[k]} for k, (s, z) in params.items()}
+    return params, record
+
+
+def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: Any = None,
+                      log: Any = None) -> dict[str, Any]:
+    """Calibrates, (optionally) runs QAT, emits folder/quantized/. Returns the manifest record."""
+    log = log or (lambda msg: None)
+    t0 = time.perf_counter()
+    sessions = ArtifactSessions(folder)
+    context = max(s.record["context"] for s in sessions.stages.values())
+    tokens = corpus_tokens(tokenizer, "calibration", max(4 * context, 4096))
+    qat: QatResult | None = None
+    timings: dict[str, float] = {}
+    qat_record: dict[str, Any] | None = None
+    if spec.method == "qat":
+        if model is None:
+            raise ValueError("QAT needs the torch model")
+        from toolchain.quantize.qat import run_qat
+
+        t = time.perf_counter()
+        qat, qat_record = run_qat(model, tokens, spec, log=log)
+        timings["qat"] = round(time.perf_counter() - t, 2)
+    out = folder / QUANT_DIR
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    with tempfile.TemporaryDirectory(prefix="mobc-quant-", dir=folder.parent) as tmp:
+        work = Path(tmp)
+        ranges: dict[str, Any] = {}
+        t = time.perf_counter()
+        for fam in sessions.families():
+            ranges.update(calibrate_family(sessions, fam, tokens, spec.calibration.samples,
+                                           spec.calibration.seed, work))
+            log(f"calibrated {fam}")
+        timings["calibration"] = round(time.perf_counter() - t, 2)
+        kv_params, kv_record = tie_kv(ranges, spec)
+        t = time.perf_counter()
+        graphs = GraphSet()
+        schemes: dict[str, Any] = {}
+        for name, st in sessions.stages.items():
+            dst = work / f"{name}.onnx"
+            schemes[name] = quantize_graph(folder / st.record["file"], dst, spec, ranges[name], kv_params, qat)
+            rec = st.record
+            graphs.add(GraphEntry(name=name, model=ir.load(dst), family=rec["family"], role=rec["role"],
+                                  width=rec["width"], context=rec["context"], stage=rec["stage"],
+                                  meta=dict(rec.get("meta", {}))))
+        timings["qdq"] = round(time.perf_counter() - t, 2)
+        records, weights = write_graphs(out, graphs)
+    del graphs
+    for rec in records:
+        enc = write_encodings(out / rec["file"], out / f"{Path(rec['file']).stem}.encodings.json")
+        rec["quantization"] = scheme_summary(enc)
+        rec["encodings"] = f"{Path(rec['file']).stem}.encodings.json"
+        rec["float_weight_bytes"] = sessions.stages[rec["name"]].record["weight_bytes"]
+    shutil.copy(folder / ROPE, out / ROPE)
+    shutil.copytree(folder / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
+    record = {
+        "scheme": spec.tag(), "spec": spec.model_dump(mode="json"), "kv_encodings": kv_record,
+        "weights_by_graph": {n: s["weights"] for n, s in schemes.items()},
+        "calibration_tokens": len(tokens), "timings": timings, "qat": qat_record,
+        "implementation": "onnxruntime.quantization get_qnn_qdq_config + quantize_static (QDQ); "
+                          "mobc: feeds, streamed calibration, pattern overrides, tied KV, QAT, encodings",
+    }
+    float_manifest = sessions.manifest
+    manifest = {
+        "format": float_manifest["format"], "name": f"{float_manifest['name']}-{spec.tag()}",
+        "source": float_manifest["source"], "tools": float_manifest.get("tools"), "model": float_manifest["model"],
+        "graphs": records, "weights": weights, "rope": float_manifest["rope"], "quantization": record,
+    }
+    write_manifest(out, manifest)
+    record["seconds"] = round(time.perf_counter() - t0, 2)
+    return {"folder": QUANT_DIR, "scheme": spec.tag(), "weights_bytes": weights["bytes"],
+            "float_weights_bytes": float_manifest["weights"]["bytes"],
+            "graphs": {r["name"]: {"weight_bytes": r["weight_bytes"], "float_weight_bytes": r["float_weight_bytes"],
+                                   "quantization": r["quantization"]} for r in records},
+            "kv_tied": bool(kv_record), "timings": timings, "qat": qat_record}
+
+
+def json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(type(o))
+
+
+def dump(record: dict[str, Any]) -> str:
+    return json.dumps(record, default=json_default, indent=1)
+
+
+def pipeline_quantize(folder: Path, recipe: Any, loaded: Any, timer: Any) -> dict[str, Any]:
+    """The compile pipeline's quantize stage (after passes, emit and float verification)."""
+    from toolchain.quantize.ppl import eval_artifact
+
+    spec: QuantizeSpec = recipe.quantize
+    with timer.stage(f"quantize {spec.tag()} (calibrate {spec.calibration.samples} calls/graph"
+                     + (", QAT" if spec.method == "qat" else "") + ")"):
+        record = quantize_artifact(folder, spec, loaded.tokenizer, loaded.model)
+    if spec.eval_tokens:
+        with timer.stage(f"perplexity float vs {spec.tag()} ({spec.eval_tokens} held-out tokens)"):
+            record["perplexity"] = eval_artifact(folder, spec.eval_tokens, tokenizer=loaded.tokenizer)
+    return record
+
+
+def report_section(record: dict[str, Any]) -> str:
+    from toolchain.quantize.ppl import ppl_table
+    from toolchain.report import markdown_table
+
+    lines = [f"## Quantization ({record['scheme']}, `{record['folder']}/`)", "",
+             "| graph | float weights | quantized weights | params | activations |", "|---|---|---|---|---|"]
+    for name, g in record["graphs"].items():
+        q = g["quantization"]
+        lines.append(f"| {name} | {g['float_weight_bytes'] / 1e6:,.1f} MB | {g['weight_bytes'] / 1e6:,.1f} MB | "
+                     + ", ".join(f"{k}: {v}" for k, v in q["params"].items()) + " | "
+                     + ", ".join(f"{k}: {v}" for k, v in q["activations"].items()) + " |")
+    if record.get("perplexity"):
+        p = record["perplexity"]
+        lines += ["", f"Perplexity on {p['tokens']} tokens of {p['text']} (not calibration text):", "",
+                  markdown_table(ppl_table(p))]
+    return "\n".join(lines)
