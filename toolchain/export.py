@@ -8,10 +8,14 @@ its layer index and projection (e.g. `layers.3.self_attn.q_proj/MatMul`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
+import os
+import shutil
 import warnings
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
@@ -135,3 +139,41 @@ def _check_io(model: ir.Model, in_names: list[str], out_names: list[str]) -> Non
             f"exported graph I/O does not follow the step-graph convention: inputs {got_in[:6]}..., "
             f"outputs {got_out[:4]}...; this is a mobc bug, please report it"
         )
+
+
+def _export_key(fingerprint: str, layout: StepLayout, graph_name: str) -> str:
+    """Content hash of everything an export depends on: weights, shapes, tool and mobc code."""
+    import onnxscript
+    import transformers
+
+    from toolchain import capture
+
+    h = hashlib.sha256()
+    for part in (fingerprint, repr(layout), graph_name, torch.__version__, transformers.__version__,
+                 onnxscript.__version__, Path(capture.__file__).read_text(), Path(__file__).read_text()):
+        h.update(part.encode())
+    return h.hexdigest()[:32]
+
+
+def export_cached(model: Any, layout: StepLayout, fingerprint: str, graph_name: str = "step") -> ir.Model:
+    """export_step_graph, memoized on disk under $MOBC_CACHE/exports by content hash.
+
+    Re-running a recipe after changing a pass, the quantization or verification settings skips the
+    20-90 s exports. MOBC_NO_CACHE=1 turns it off.
+    """
+    from toolchain.source import cache_root
+
+    if os.environ.get("MOBC_NO_CACHE"):
+        return export_step_graph(model, layout, graph_name)
+    folder = cache_root() / "exports" / _export_key(fingerprint, layout, graph_name)
+    if (folder / "graph.onnx").is_file():
+        return ir.load(folder / "graph.onnx")
+    onnx_model = export_step_graph(model, layout, graph_name)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        ir.save(onnx_model, tmp / "graph.onnx", external_data="graph.data")
+        tmp.rename(folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a cache we cannot write is only slower
+    return onnx_model
