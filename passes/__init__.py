@@ -5,5 +5,12 @@ from passes.registry import PASSES, build, register
 __all__ = ["PASSES", "build", "register"]
 
 # importing a pass module registers it
-from passes import fold_constants, split_layers, split_lm_head  # noqa: E402,F401
-from passes import scale_rmsnorm  # noqa: E402,F401
+from passes import (  # noqa: E402,F401  # noqa: E402,F401
+    fold_constants,
+    lora_inputs,  # noqa: E402,F401
+    mha_to_sha,
+    rescale_residual,
+    scale_rmsnorm,
+    split_layers,
+    split_lm_head,
+)

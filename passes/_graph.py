@@ -74,11 +74,16 @@ def new_node(
     shape: list[int] | None = None,
     dtype: ir.DataType | None = None,
     num_outputs: int = 1,
+    after: ir.Node | None = None,
 ) -> ir.Node:
-    """Creates a node named `name`, inserts it before `before` (or appends) and types output 0."""
+    """Creates a node named `name`, inserts it before `before` (or after `after`, or appends)
+    and types output 0."""
     attrs = [ir.Attr(k, _attr_type(v), v) for k, v in (attributes or {}).items()]
+    name = unique_node_name(graph, name)
     node = ir.Node("", op, inputs, attributes=attrs, num_outputs=num_outputs, name=name)
-    if before is None:
+    if after is not None:
+        graph.insert_after(after, node)
+    elif before is None:
         graph.append(node)
     else:
         graph.insert_before(before, node)
@@ -91,24 +96,38 @@ def new_node(
     return node
 
 
-_VALUE_NAMES: dict[int, set[str]] = {}
+_NAMES: dict[int, tuple[set[str], set[str]]] = {}
+
+
+def _names(graph: ir.Graph) -> tuple[set[str], set[str]]:
+    """(value names, node names) in use, rebuilt after a pass marks them stale."""
+    if id(graph) not in _NAMES or getattr(graph, "_mobc_names_stale", True):
+        values = {v.name for v in graph.inputs} | set(graph.initializers)
+        nodes = set()
+        for n in graph:
+            values.update(o.name for o in n.outputs if o.name)
+            nodes.add(n.name)
+        _NAMES[id(graph)] = (values, nodes)
+        graph._mobc_names_stale = False  # type: ignore[attr-defined]
+    return _NAMES[id(graph)]
+
+
+def _unique(used: set[str], base: str, sep: str) -> str:
+    name, k = base, 1
+    while name in used:
+        name = f"{base}{sep}{k}"
+        k += 1
+    used.add(name)
+    return name
 
 
 def unique_value_name(graph: ir.Graph, base: str) -> str:
     """Deterministic unique value names per graph (graph order decides suffixes)."""
-    used = _VALUE_NAMES.get(id(graph))
-    if used is None or getattr(graph, "_mobc_names_stale", True):
-        used = {v.name for v in graph.inputs} | set(graph.initializers)
-        for n in graph:
-            used.update(o.name for o in n.outputs if o.name)
-        _VALUE_NAMES[id(graph)] = used
-        graph._mobc_names_stale = False  # type: ignore[attr-defined]
-    name, k = base, 1
-    while name in used:
-        name = f"{base}_{k}"
-        k += 1
-    used.add(name)
-    return name
+    return _unique(_names(graph)[0], base, "_")
+
+
+def unique_node_name(graph: ir.Graph, base: str) -> str:
+    return _unique(_names(graph)[1], base, "_")
 
 
 def mark_names_stale(graph: ir.Graph) -> None:

@@ -14,8 +14,9 @@ from toolchain.qnn_diagnose import htp_findings
 
 
 def _run(model, layout, feeds):
-    entry = GraphEntry(name="g", model=model, family="g", role="decode", width=layout.width,
-                       context=layout.context)
+    entry = GraphEntry(
+        name="g", model=model, family="g", role="decode", width=layout.width, context=layout.context
+    )
     return ort_run(entry, feeds)
 
 

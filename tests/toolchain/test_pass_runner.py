@@ -40,7 +40,7 @@ if "test_break_mlp" not in PASSES:
 
 
 def test_rows_are_json_and_table_renders():
-    gs, feeds = graphset_for("llama", (1, 4))
+    gs, feeds = graphset_for("qwen2", (1, 4))
     gs, rows = run_passes(gs, ["fold_constants", "split_lm_head"], 1e-4, feeds, progress=lambda m: None)
     assert [r["pass"] for r in rows] == ["fold_constants", "split_lm_head"]
     json.dumps(rows)  # manifest.json stores them as they are
@@ -55,20 +55,20 @@ def test_rows_are_json_and_table_renders():
 
 
 def test_broken_pass_fails_naming_pass_family_and_output():
-    gs, feeds = graphset_for("llama", (4,))
+    gs, feeds = graphset_for("qwen2", (4,))
     with pytest.raises(PassError, match=r"pass 'test_break_mlp' changed graph 'w4' output 'logits' by"):
         run_passes(gs, ["fold_constants", {"test_break_mlp": {"factor": 3.0}}], 1e-3, feeds)
 
 
 def test_small_change_within_tolerance_is_recorded():
-    gs, feeds = graphset_for("llama", (4,))
+    gs, feeds = graphset_for("qwen2", (4,))
     _, rows = run_passes(gs, [{"test_break_mlp": {"factor": 1.0 + 1e-6}}], 1.0, feeds)
     assert 0 < rows[0]["worst"]["diff"] < 1e-3
     assert np.isfinite(rows[0]["worst"]["diff"])
 
 
 def test_bad_specs_are_rejected_before_running():
-    gs, feeds = graphset_for("llama", (4,))
+    gs, feeds = graphset_for("qwen2", (4,))
     with pytest.raises(RecipeError, match="unknown pass 'nope'"):
         run_passes(gs, ["fold_constants", "nope"], 1e-3, feeds)
     with pytest.raises(RecipeError, match="fold_constants.size: unknown option"):
