@@ -61,12 +61,32 @@ class GraphSet:
 
 RunFn = Callable[[GraphEntry, dict[str, np.ndarray]], dict[str, np.ndarray]]
 
+# Inputs that passes add for the runtime to bind per request (LoRA adapters, forecast
+# embeddings). All zeros is their neutral value (the base model), so a caller that does not
+# know them, e.g. verification, may leave them out.
+OPTIONAL_INPUT_PREFIXES = ("lora_", "forecast_")
+
+
+def optional_zeros(entry, name: str) -> np.ndarray | None:
+    """Zeros for an optional input of a GraphEntry (or a runtime stage record), else None."""
+    if not name.startswith(OPTIONAL_INPUT_PREFIXES):
+        return None
+    model = getattr(entry, "model", None)
+    if model is not None:
+        value = next(v for v in model.graph.inputs if v.name == name)
+        return np.zeros([int(d) for d in value.shape], value.dtype.numpy())
+    spec = next(i for i in entry.record["inputs"] if i["name"] == name)
+    return np.zeros(spec["shape"], np.float32)
+
 
 def run_chain(stages: list[GraphEntry], feeds: dict[str, np.ndarray], run: RunFn) -> dict[str, np.ndarray]:
     """Runs a family's stages in order; returns every output no later stage consumed."""
     env = dict(feeds)
     produced: dict[str, np.ndarray] = {}
     for entry in stages:
+        for n in entry.input_names:
+            if n not in env and (zeros := optional_zeros(entry, n)) is not None:
+                env[n] = zeros
         missing = [n for n in entry.input_names if n not in env]
         if missing:
             raise KeyError(f"graph {entry.name} needs inputs {missing} that nothing provides")
