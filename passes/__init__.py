@@ -7,6 +7,7 @@ __all__ = ["PASSES", "build", "register"]
 # importing a pass module registers it
 from passes import (  # noqa: E402,F401  # noqa: E402,F401
     fold_constants,
+    linear_to_conv,
     lora_inputs,  # noqa: E402,F401
     mha_to_sha,
     rescale_residual,
@@ -14,4 +15,3 @@ from passes import (  # noqa: E402,F401  # noqa: E402,F401
     split_layers,
     split_lm_head,
 )
-from passes import rescale_residual, scale_rmsnorm  # noqa: E402,F401
