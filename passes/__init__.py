@@ -7,6 +7,7 @@ __all__ = ["PASSES", "build", "register"]
 # importing a pass module registers it
 from passes import (  # noqa: E402,F401  # noqa: E402,F401
     fold_constants,
+    forecast_inputs,
     linear_to_conv,
     lora_inputs,  # noqa: E402,F401
     mha_to_sha,

@@ -148,3 +148,16 @@ def test_bad_options_and_missing_targets():
     build("lora_inputs")(m)
     with pytest.raises(Exception, match="already has LoRA inputs"):
         build("lora_inputs")(m)
+
+
+def test_lora_before_linear_to_conv_keeps_branches_as_matmul():
+    """Recipe order mha_to_sha -> lora_inputs -> linear_to_conv: base weights become Convs, the
+    LoRA branches (weights are inputs) stay MatMuls, and the adapter still equals merged weights."""
+    layout, base = tiny("qwen2")
+    feeds = feeds_for(layout)
+    lora = _apply(base, ["q_proj", "v_proj"], sha=True)
+    build("linear_to_conv")(lora)
+    assert not [n for n in lora.graph if site_of(n)], "a constant-weight projection MatMul survived"
+    assert any(n.name.endswith("lora/MatMul_B") for n in lora.graph)
+    ad = random_adapter(base, ["q_proj", "v_proj"], rank=4, seed=5)
+    _close(_run(lora, lora_feeds(lora, feeds, [ad, None], 0)), _run(merged(base, ad), feeds))

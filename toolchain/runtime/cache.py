@@ -83,17 +83,23 @@ class KVCache:
             feeds[f"position_sin{sfx}"] = self.rope[f"sin{sfx}"][positions].reshape(1, 1, n, half)
         return feeds
 
-    def masks(self, width: int, allowed_new: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+    def masks(self, width: int, allowed_new: np.ndarray, positions: np.ndarray,
+              past_allowed: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Additive masks [1,1,N,CL] per layer kind.
 
         allowed_new [N,N] bool says which new token may attend to which (causal, tree ancestors,
         bidirectional block); every query sees all committed slots, limited by the sliding window
-        for sliding layers.
+        for sliding layers, unless past_allowed [N, length] bool says which committed slots each
+        new token sees (several sequences sharing one prompt in one cache, as CTG does).
         """
         n, cl = width, self.context
         past_len = cl - n
         allowed = np.zeros((n, cl), dtype=bool)
-        allowed[:, : self.length] = True
+        if past_allowed is None:
+            allowed[:, : self.length] = True
+        else:
+            allowed[: len(past_allowed), : self.length] = past_allowed[:, : self.length]
+            allowed[len(past_allowed):, : self.length] = True  # padding rows: as before
         allowed[:, past_len:] = allowed_new
         key_pos = np.full(cl, -(10**9), dtype=np.int64)
         key_pos[: self.length] = np.arange(self.length)
@@ -108,7 +114,8 @@ class KVCache:
         return feeds
 
     def _new_token_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None,
-                          depths: Sequence[int] | None, pad_token: int) -> dict[str, np.ndarray]:
+                          depths: Sequence[int] | None, pad_token: int,
+                          past_allowed: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """input_ids, masks and RoPE inputs of a call (everything but the past)."""
         k = len(tokens)
         if k > width:
@@ -124,18 +131,19 @@ class KVCache:
         ids = np.full((1, width), pad_token, dtype=np.int32)
         ids[0, :k] = tokens
         feeds = {"input_ids": ids}
-        feeds.update(self.masks(width, full, positions))
+        feeds.update(self.masks(width, full, positions, past_allowed))
         feeds.update(self.rope_inputs(positions))
         return feeds
 
     def step_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
-                    depths: Sequence[int] | None = None, pad_token: int = 0) -> dict[str, np.ndarray]:
+                    depths: Sequence[int] | None = None, pad_token: int = 0,
+                    past_allowed: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """All inputs of a width-N call for len(tokens) <= N new tokens (the rest is padding), as new arrays.
 
         Default structure is causal over the real tokens; padding rows see only themselves.
         """
         self._check_room(width)
-        feeds = self._new_token_inputs(tokens, width, allowed_new, depths, pad_token)
+        feeds = self._new_token_inputs(tokens, width, allowed_new, depths, pad_token, past_allowed)
         feeds.update(self.past(width))
         return feeds
 
@@ -149,11 +157,13 @@ class KVCache:
         return self._bufs[width]
 
     def fill(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
-             depths: Sequence[int] | None = None, pad_token: int = 0) -> dict[str, np.ndarray]:
+             depths: Sequence[int] | None = None, pad_token: int = 0,
+             past_allowed: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Writes a call's new-token inputs into `buffers(width)` in place and returns them."""
         self._check_room(width)
         bufs = self.buffers(width)
-        for name, arr in self._new_token_inputs(tokens, width, allowed_new, depths, pad_token).items():
+        new = self._new_token_inputs(tokens, width, allowed_new, depths, pad_token, past_allowed)
+        for name, arr in new.items():
             bufs[name][...] = arr
         return bufs
 

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from toolchain.errors import ArtifactError
+from toolchain.graphset import OPTIONAL_INPUT_PREFIXES
 from toolchain.runtime.cache import KVCache
 from toolchain.runtime.sessions import ArtifactSessions, BoundFamily
 
 # roles whose first stage is a full step graph (an lm_head or part stage never starts a family)
-STEP_ROLES = ("decode", "prefill", "tree", "custom")
+STEP_ROLES = ("decode", "prefill", "tree", "custom", "diffusion")
 
 
 class StepModel:
@@ -50,6 +51,7 @@ class StepModel:
         self.io_binding = io_binding
         self._bound: dict[str, BoundFamily] = {}
         self._last: tuple[str, dict[str, np.ndarray]] | None = None
+        self._extra: dict[str, dict[str, np.ndarray]] = {}
         self.eos_ids: list[int] = list(self.manifest["model"].get("eos_token_ids") or [])
         self.vocab: int = self.manifest["model"]["vocab"]
         self.calls: Counter[str] = Counter()
@@ -94,23 +96,40 @@ class StepModel:
         """Whether a call with n new tokens (and committing them) still fits the context."""
         return self.cache.free(self.widths[self.family_for(n)]) >= 0
 
+    def extra_inputs(self, family: str) -> dict[str, np.ndarray]:
+        """The family's optional inputs (lora_*, forecast_*: adapters, forecast embeddings) as
+        preallocated arrays, zero (= the base model) until a caller writes them in place; bound
+        once like the cache buffers, so they must never be replaced."""
+        if family not in self._extra:
+            arrays: dict[str, np.ndarray] = {}
+            for stage in self.sessions.chain(family):
+                for spec in stage.record["inputs"]:
+                    if spec["name"].startswith(OPTIONAL_INPUT_PREFIXES) and spec["name"] not in arrays:
+                        arrays[spec["name"]] = np.zeros(spec["shape"], np.float32)
+            self._extra[family] = arrays
+        return self._extra[family]
+
     # ---- calls --------------------------------------------------------------------------------
     def forward(self, tokens: Sequence[int], allowed_new: np.ndarray | None = None,
-                depths: Sequence[int] | None = None, family: str | None = None) -> np.ndarray:
+                depths: Sequence[int] | None = None, family: str | None = None,
+                past_allowed: np.ndarray | None = None) -> np.ndarray:
         """One call with the new tokens (causal by default); returns their logits [k, V] (a copy).
 
         Nothing is committed: call `commit` with the indices of the tokens to keep.
+        past_allowed [k, length] limits which committed slots each token sees (default: all).
         """
         family = family or self.family_for(len(tokens))
         width = self.widths[family]
+        extra = self.extra_inputs(family)
         t = time.perf_counter()
         if self.io_binding:
-            feeds = self.cache.fill(tokens, width, allowed_new, depths)
+            feeds = self.cache.fill(tokens, width, allowed_new, depths, past_allowed=past_allowed)
             if family not in self._bound:
-                self._bound[family] = self.sessions.bind(family, feeds)
+                self._bound[family] = self.sessions.bind(family, {**feeds, **extra})
             outs = self._bound[family].run()
         else:
-            feeds = self.cache.step_inputs(tokens, width, allowed_new, depths)
+            feeds = self.cache.step_inputs(tokens, width, allowed_new, depths, past_allowed=past_allowed)
+            feeds.update(extra)
             outs = self.sessions.run_family(family, feeds)
         self.seconds[family] += time.perf_counter() - t
         self.calls[family] += 1
