@@ -183,7 +183,7 @@ def run_qat(model: nn.Module, tokens: list[int], spec: QuantizeSpec,
             opt.zero_grad()
             loss.backward()
             opt.step()
-            history.append(float(loss))
+            history.append(float(loss.detach()))
             if step % 10 == 0:
                 log(f"qat step {step}: kl {np.mean(history[-10:]):.4f}")
             if time.perf_counter() - t0 > cfg.max_seconds:

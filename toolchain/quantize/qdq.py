@@ -34,6 +34,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_
 from onnxruntime.quantization.calibrate import TensorsData, save_tensors_data
 from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
+from toolchain.quantize.fuse import fuse_rmsnorm
 from toolchain.quantize.schema import QuantizeSpec
 
 WEIGHT_QTYPES = {"int4": QuantType.QInt4, "int8": QuantType.QInt8, "int16": QuantType.QInt16}
@@ -154,10 +155,19 @@ def build_overrides(model: onnx.ModelProto, spec: QuantizeSpec, kv_params: dict[
         scale, zp = kv_params[f"{m.group(2)}_{m.group(3)}"]
         enc = {"quant_type": ACT_QTYPES[spec.kv_type], "scale": np.array(scale, np.float32),
                "zero_point": np.array(zp, np.uint16 if kv_bits == 16 else np.uint8)}
-        # onnxruntime gives a Transpose/Reshape output its input's encoding, so the tie must reach
-        # back through those to the tensor that really produces the K/V rows
-        for t in kv_chain(name, producer):
-            kv[t] = [dict(enc)]
+        chain = kv_chain(name, producer)
+        kv[name] = [dict(enc)]
+        if len(chain) == 1:
+            continue
+        # onnxruntime gives a Transpose/Reshape output its input's encoding, so the tie must be set
+        # on the tensor that really produces the K/V rows (a MatMul or RoPE Add). If the KV type
+        # differs from that producer's, the producer keeps its own type and a Convert (Q/DQ pair)
+        # feeds the K/V path: HTP rejects e.g. a MatMul with 16-bit input and 8-bit output.
+        head, first = chain[-1], producer[chain[-2]]
+        if spec.kv_type == ov.get(head, [{}])[0].get("activations", spec.activations) and head not in ov:
+            kv[head] = [dict(enc)]
+        else:
+            kv[head] = [{"convert": {**enc, "recv_nodes": {first.name}}}]
     return ov, kv, exclude, schemes
 
 
@@ -221,6 +231,7 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     """Float graph file -> QDQ graph file (external data beside it). Returns the weight schemes."""
     model = onnx.load(src)
     folded = fold_weight_transposes(model)
+    fused = fuse_rmsnorm(model)
     if qat:
         apply_qat_weights(model, qat)
     ov, kv, exclude, schemes = build_overrides(model, spec, kv_params, qat, ranges)
@@ -244,4 +255,4 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
                     activation_type=act, weight_type=WEIGHT_QTYPES[spec.weights], nodes_to_exclude=exclude or None,
                     use_external_data_format=True, extra_options=extra, calibration_cache_path=cache)
     cache.unlink(missing_ok=True)
-    return {"weights": schemes, "folded_transposes": folded, "excluded_nodes": exclude}
+    return {"weights": schemes, "folded_transposes": folded, "fused_rmsnorms": fused, "excluded_nodes": exclude}

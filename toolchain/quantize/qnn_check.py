@@ -1,0 +1,101 @@
+"""Quantized graphs on the QNN HTP backend: context binaries, and agreement with the CPU QDQ simulation.
+
+Uses toolchain/qnn.py (EP registration, context-binary build, CPU-vs-QNN compare). Quantized graphs
+run as real integer kernels (no fp16 flag). Two checks:
+- per graph, one realistic call (real text, real cache contents): max |HTP - CPU| per output;
+- a greedy run: the CPU QDQ graphs pick every token; the HTP graphs are fed the same tokens
+  (lockstep, each with its own cache), so per-step argmax agreement is not blurred by divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toolchain import qnn
+from toolchain.quantize.calibrate import corpus_tokens, family_feeds
+from toolchain.runtime.cache import KVCache
+from toolchain.runtime.greedy import decode_family, family_by_role, run_tokens
+from toolchain.runtime.sessions import ArtifactSessions
+
+
+class ContextSessions(ArtifactSessions):
+    """ArtifactSessions whose graphs are opened from QNN context models on the HTP backend."""
+
+    def __init__(self, folder: Path, ctx_models: dict[str, Path], options: dict[str, str]):
+        super().__init__(folder)
+        self.ctx_models = ctx_models
+        self.qnn_options = options
+
+    def session(self, name: str) -> Any:
+        if name not in self._sessions:
+            self._sessions[name] = qnn.session(self.ctx_models[name], "qnn", self.qnn_options)
+        return self._sessions[name]
+
+
+def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int], n: int) -> dict[str, Any]:
+    fam = decode_family(cpu)
+    layout = cpu.layout(fam)
+    caches = [KVCache(layout, cpu.rope), KVCache(layout, cpu.rope)]
+    pre = family_by_role(cpu, "prefill") or fam
+    width = cpu.chain(pre)[0].record["width"]
+    last = []
+    for sess, cache in zip((cpu, htp), caches, strict=True):
+        logits = None
+        for s in range(0, len(ids), width):
+            logits = run_tokens(sess, pre, cache, ids[s : s + width], width)
+        last.append(logits[-1])
+    agree, diffs, tokens = [], [], []
+    for _ in range(n):
+        a, b = last
+        agree.append(int(np.argmax(a) == np.argmax(b)))
+        diffs.append(float(np.abs(a - b).max()))
+        tok = int(np.argmax(a))  # the CPU simulation decides; the HTP follows
+        tokens.append(tok)
+        if caches[0].free(layout.width) < 1:
+            break
+        last = [run_tokens(s, fam, c, [tok], layout.width)[-1] for s, c in zip((cpu, htp), caches, strict=True)]
+    return {"tokens": len(agree), "argmax_agreement": float(np.mean(agree)), "logits_max_abs": max(diffs),
+            "logits_median_abs": float(np.median(diffs)), "cpu_tokens": tokens}
+
+
+def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: int = 57,
+                    htp_arch: int = 75, prompt: str = "def fibonacci(n):\n") -> dict[str, Any]:
+    qnn.require()
+    cpu = ArtifactSessions(qdir)
+    opts = qnn.provider_options(soc_model, htp_arch, fp16=False)
+    tokenizer_ids = _tokenizer(qdir)
+    ctx: dict[str, Path] = {}
+    graphs: dict[str, Any] = {}
+    held = corpus_tokens(tokenizer_ids, "heldout", 2048)
+    for fam in cpu.families():
+        feeds = next(iter(family_feeds(cpu, fam, held, 1, seed=1)))
+        for st in cpu.chain(fam):
+            path = qdir / st.record["file"]
+            b = qnn.build_context_binary(path, out, soc_model, htp_arch, fp16=False, name=st.name)
+            ctx[st.name] = b.model
+            cmp = qnn.run_and_compare(path, b.model, {k: feeds[k] for k in st.input_names if k in feeds}, opts)
+            worst_name, worst = cmp.worst
+            graphs[st.name] = {"context_bytes": b.bytes, "build_seconds": round(b.seconds, 1),
+                               "worst_output": worst_name, "worst_max_abs": worst,
+                               "logits_max_abs": cmp.max_abs.get("logits"),
+                               "argmax_agreement": cmp.argmax_agreement.get("logits"),
+                               "cpu_seconds": round(cmp.cpu_seconds, 3),
+                               "htp_emulated_seconds": round(cmp.qnn_seconds, 3)}
+    t = time.perf_counter()
+    htp = ContextSessions(qdir, ctx, opts)
+    greedy = lockstep_greedy(cpu, htp, tokenizer_ids(prompt).input_ids, greedy_tokens)
+    greedy["seconds"] = round(time.perf_counter() - t, 1)
+    result = {"soc_model": soc_model, "htp_arch": htp_arch, "graphs": graphs, "greedy": greedy}
+    (out / "qnn_check.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder / "tokenizer")
