@@ -16,3 +16,4 @@ from passes import (  # noqa: E402,F401  # noqa: E402,F401
     split_layers,
     split_lm_head,
 )
+from passes import rescale_residual, scale_rmsnorm  # noqa: E402,F401

@@ -128,10 +128,14 @@ def explain_failure(onnx_path: Path, error: str, log_text: str, limit: int = 8) 
             log.debug("htp lint failed: %s", exc)
             findings = []
         if findings:
+            # one line per distinct problem, naming the first nodes: 61 identical lines help nobody
+            groups: dict[tuple[str, str, str], list[str]] = {}
+            for f in findings:
+                groups.setdefault((f.op_type, f.problem, f.fix), []).append(f.node)
             lines = [f"{head}; {len(findings)} node(s) match patterns known to break HTP:"]
-            lines += [f"  {f}" for f in findings[:limit]]
-            if len(findings) > limit:
-                lines.append(f"  ... and {len(findings) - limit} more")
+            for (op, problem, fix), nodes in groups.items():
+                shown = ", ".join(repr(n) for n in nodes[:3]) + (f" and {len(nodes) - 3} more" if len(nodes) > 3 else "")
+                lines.append(f"  {len(nodes)} {op} node(s) ({shown}): {problem}; fix: {fix}")
             return "\n".join(lines)
         return (
             f"{head}. No known-bad pattern found; if the graph is large, split it with `split_parts` "
