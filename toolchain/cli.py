@@ -156,6 +156,27 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(train_app, name="train")
 
 
+@eval_app.command("qnn")
+def eval_qnn(
+    artifact: Path = typer.Argument(..., help="artifact folder with a quantized/ sub-artifact"),
+    tokens: int = typer.Option(64, "--tokens", help="greedy tokens compared HTP vs CPU QDQ"),
+    out: Path | None = typer.Option(None, "--out", help="where context binaries go (default quantized/qnn)"),
+) -> None:
+    """Build QNN HTP context binaries of the quantized graphs and compare them with the CPU QDQ simulation."""
+    from toolchain.quantize.qnn_check import check_quantized
+    from toolchain.report import rich_table
+
+    q = artifact / "quantized"
+    r = check_quantized(q, out or q / "qnn", tokens)
+    rows = [[g, f"{v['context_bytes'] / 1e6:,.1f} MB", f"{v['build_seconds']:.1f}", f"{v['worst_max_abs']:.4g}",
+             v["worst_output"], f"{(v['argmax_agreement'] or 0) * 100:.1f}%"] for g, v in r["graphs"].items()]
+    console.print(rich_table("QNN HTP vs CPU QDQ", (["graph", "context", "build s", "max |diff|", "worst",
+                                                     "argmax ="], rows)))
+    gr = r["greedy"]
+    console.print(f"greedy {gr['tokens']} tokens (lockstep): argmax agreement {gr['argmax_agreement'] * 100:.1f}%, "
+                  f"max |logit diff| {gr['logits_max_abs']:.4g}")
+
+
 def main() -> None:
     try:
         app()
