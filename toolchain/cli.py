@@ -154,6 +154,8 @@ from toolchain.runtime_cli import run as _run  # noqa: E402
 app.command("run")(_run)
 app.add_typer(bench_app, name="bench")
 app.add_typer(train_app, name="train")
+# `mobc bench lever`, `mobc train predictor` (toolchain/lever_cli.py) register on the same groups
+import toolchain.lever_cli  # noqa: E402,F401
 
 
 @eval_app.command("qnn")

@@ -69,15 +69,22 @@ class Predictor:
     costs: dict[str, GraphCost]
     model: CostModel
     per_call: dict[str, float] = field(default_factory=dict)
+    stage_prices: Any = None  # prices keys of single stages (tree policies); see lever_costs.py
 
     @classmethod
     def build(cls, sm: StepModel, device: str, dram_budget: float) -> Predictor:
+        from toolchain.runtime.lever_costs import PhonePrices
+
         costs = family_costs(sm)
         cm = CostModel(device, dram_budget)
         cm.place(costs[sm.decode_family])  # one residency for every width of this model
-        return cls(costs, cm, {f: cm.call_latency(c).total_s for f, c in costs.items()})
+        return cls(costs, cm, {f: cm.call_latency(c).total_s for f, c in costs.items()},
+                   PhonePrices(sm, device, dram_budget))
 
     def seconds(self, calls: Counter[str]) -> float:
+        for f in calls:
+            if f not in self.per_call:  # `body:<family>`, `stage:<graph>`, ...: calls of part of a family
+                self.per_call[f] = self.stage_prices.seconds(f)
         return sum(n * self.per_call[f] for f, n in calls.items())
 
 

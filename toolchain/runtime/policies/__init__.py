@@ -10,11 +10,21 @@ from toolchain.runtime.policies.chain import Chain
 from toolchain.runtime.policies.sampling import Sampler, accept_chain
 
 POLICIES: dict[str, type[Policy]] = {"ar": AR, "chain": Chain}
+# tree and asynchronous policies register themselves here (imported lazily: they pull in more)
+LAZY_POLICIES = {"lever": "toolchain.runtime.policies.lever:make", "ahasd": "toolchain.runtime.policies.ahasd:make"}
 
 
-def make_policy(name: str, target: StepModel, draft: StepModel | None = None, gamma: int = 4) -> Policy:
+def make_policy(name: str, target: StepModel, draft: StepModel | None = None, gamma: int = 4,
+                **options) -> Policy:
+    """Build a policy by name; `options` go to policies that take them (e.g. lever's cost profile)."""
+    base, _, variant = name.partition("+")  # e.g. lever+prune: a named configuration of a policy
+    if base in LAZY_POLICIES:
+        import importlib
+
+        module, _, fn = LAZY_POLICIES[base].partition(":")
+        return getattr(importlib.import_module(module), fn)(target, draft, gamma=gamma, variant=variant, **options)
     if name not in POLICIES:
-        raise MobcError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+        raise MobcError(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *LAZY_POLICIES])}")
     if name == "chain":
         return Chain(target, draft, gamma=gamma)
     return POLICIES[name](target, draft)

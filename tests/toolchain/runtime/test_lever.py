@@ -1,0 +1,139 @@
+"""lever over tiny compiled artifacts: draft scratch masks, path-only logits, lossless vs ar."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.tiny import tiny_tokenizer
+from toolchain.runtime.model import StepModel
+from toolchain.runtime.policies import Sampler, make_policy
+from toolchain.runtime.policies.lever import Lever, LeverConfig
+from toolchain.runtime.tree import Tree
+from toolchain.runtime.tree_exec import DraftTree, TreeVerifier
+
+PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n", "class A:\n    def __init__(self"]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tree_artifacts):
+    return tree_artifacts
+
+
+class FixedPrices:
+    """Cheap draft, flat verify: makes the builder grow deep, wide trees on tiny models."""
+
+    def __init__(self, per_call: float, per_width: float = 0.0):
+        self.per_call, self.per_width = per_call, per_width
+
+    def seconds(self, key: str) -> float:
+        return self.per_call if key.startswith("stage:") is False else self.per_call * 0.01
+
+
+def random_tree(rng, n: int, vocab: int = 500) -> Tree:
+    t = Tree.root(int(rng.integers(3, vocab)))
+    for _ in range(n - 1):
+        t.add(int(rng.integers(0, len(t))), int(rng.integers(3, vocab)), 0.5, 0.5)
+    return t
+
+
+def test_draft_tree_scratch_rows_match_a_causal_run(artifacts):
+    """Each expanded node's draft logits equal those of feeding its path causally from scratch."""
+    _, draft_dir = artifacts
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    m = StepModel(draft_dir)
+    m.prefill(ids[:-1])
+    dt = DraftTree(m)
+    root_logits = dt.start([ids[-1]])
+    rng = np.random.default_rng(0)
+    t = Tree.root(ids[-1])
+    got = {0: root_logits}
+    for _level in range(3):  # grow by levels: every batch's parents ran before it
+        frontier = [i for i in range(len(t)) if i in got and not t.children(i)]
+        new = [t.add(u, int(rng.integers(3, 500)), 0.5, 0.5) for u in frontier for _ in range(2)]
+        for x, row in zip(new, dt.expand(t, new), strict=True):
+            got[x] = row
+    ref = StepModel(draft_dir)
+    for x in rng.choice(len(t), size=6, replace=False):
+        path = [t.tokens[i] for i in t.path(int(x))]
+        ref.prefill(ids[:-1])
+        want = ref.feed(path)
+        np.testing.assert_allclose(got[int(x)], want, atol=2e-4)
+    # keep an accepted path: its rows move down to their final slots, as a causal run would leave them
+    leaf = max(range(len(t)), key=lambda i: t.depths[i] if i in dt.slot else -1)
+    path = t.path(leaf)
+    kept = dt.finish(path)
+    assert kept == len(path) - 1 and m.length == len(ids) + kept
+    ref.prefill(ids[:-1])
+    ref.feed([t.tokens[i] for i in path])
+    for i in range(m.cache.layout.n_layers):
+        np.testing.assert_allclose(m.cache.keys[i][..., : m.length], ref.cache.keys[i][..., : m.length], atol=2e-5)
+
+
+def test_path_only_logits_equal_full_logits_on_the_accepted_path(artifacts):
+    target_dir, _ = artifacts
+    ids = tiny_tokenizer()(PROMPTS[1]).input_ids
+    rng = np.random.default_rng(1)
+    for n in (3, 8):
+        t = random_tree(rng, n)
+        res = {}
+        for mode in ("path", "full"):
+            m = StepModel(target_dir)
+            m.prefill(ids)
+            v = TreeVerifier(m, logits=mode)
+            seen: dict[int, np.ndarray] = {}
+            orig = v._row_fn
+
+            def spy(outs, orig=orig, seen=seen):
+                row, done = orig(outs)
+
+                def wrapped(node):
+                    seen[node] = np.array(row(node))
+                    return seen[node]
+
+                return wrapped, done
+
+            v._row_fn = spy
+            vr = v.verify(t, Sampler())
+            res[mode] = (vr, seen, m)
+        (vp, sp, mp), (vf, sf, mf) = res["path"], res["full"]
+        assert vp.acceptance == vf.acceptance
+        assert sorted(sp) == vp.acceptance.path  # logits computed for the path rows only
+        assert vp.rows_logits == len(vp.acceptance.path) and vf.rows_logits == vf.rows_total
+        for i in sp:
+            np.testing.assert_allclose(sp[i], sf[i], atol=1e-4)
+        assert mp.calls[f"stage:{v.row_head.name}"] == len(vp.acceptance.path)
+        assert mp.length == mf.length == len(ids) + len(vp.acceptance.path)
+
+
+def run(policy, ids, n, sampler=None):
+    return [t for chunk in policy.generate(ids, n, sampler or Sampler()) for t in chunk]
+
+
+@pytest.mark.parametrize("draft_kind", ["other", "self"])
+@pytest.mark.parametrize("logits", ["path", "full"])
+def test_greedy_lever_equals_ar(artifacts, draft_kind, logits):
+    target_dir, draft_dir = artifacts
+    target = StepModel(target_dir)
+    draft = StepModel(target_dir if draft_kind == "self" else draft_dir)
+    ar = make_policy("ar", target)
+    prices = (FixedPrices(1.0), FixedPrices(0.01))  # deep trees: drafting is cheap
+    lever = Lever(target, draft, LeverConfig(logits=logits, top_k=3), prices=prices)
+    for prompt in PROMPTS[:2]:
+        ids = tiny_tokenizer()(prompt).input_ids
+        ref = run(ar, ids, 24)
+        assert run(lever, ids, 24) == ref, prompt
+        assert lever.stats.tokens == len(ref)
+        assert max(lever.lever.tree_nodes) > 2
+        if draft_kind == "self":  # a draft equal to the target: the greedy backbone is always accepted
+            assert sum(lever.stats.accepted) >= len(ref) // 2
+
+
+def test_lever_by_name_with_phone_costs_and_sampling(artifacts):
+    target_dir, draft_dir = artifacts
+    target, draft = StepModel(target_dir), StepModel(draft_dir)
+    lever = make_policy("lever", target, draft, device="snapdragon-8-gen-3", target_dram=0.0)
+    ids = tiny_tokenizer()(PROMPTS[2]).input_ids
+    assert run(lever, ids, 25) == run(make_policy("ar", target), ids, 25)
+    out = run(lever, ids, 25, Sampler(temperature=0.8, seed=3))
+    assert len(out) == 25 and run(lever, ids, 25, Sampler(temperature=0.8, seed=3)) == out

@@ -1,0 +1,214 @@
+"""Gain/cost tree construction on synthetic drafts: exact selection, near-optimal online growth,
+the adaptive stop rule, tree masks/positions, and lossless sampled multi-candidate acceptance."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from toolchain.capture import MASK_MIN
+from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, select
+from toolchain.runtime.policies.sampling import Sampler
+from toolchain.runtime.tree import Tree, accept_greedy, accept_sampled
+
+VERIFY = StepCost({1: 1.0, 4: 1.05, 8: 1.2})
+
+
+def synthetic_tree(rng, branching: int, depth: int) -> Tree:
+    """A full draft tree whose children probabilities are Dirichlet draws (gains = path products)."""
+    t = Tree.root(0)
+    frontier = [0]
+    for _ in range(depth):
+        nxt = []
+        for u in frontier:
+            probs = np.sort(rng.dirichlet(np.ones(branching + 1) * 0.6))[::-1][:branching]
+            for j, p in enumerate(probs):
+                nxt.append(t.add(u, 10 * u + j + 1, p, t.gains[u] * p))
+        frontier = nxt
+    return t
+
+
+def closed_subsets(t: Tree, max_size: int):
+    nodes = list(range(1, len(t)))
+    for r in range(0, max_size + 1):
+        for combo in itertools.combinations(nodes, r):
+            s = set(combo)
+            if all(t.parents[i] == 0 or t.parents[i] in s for i in s):
+                yield s
+
+
+def brute_rate(t: Tree, verify: StepCost, draft: StepCost | None, sunk: float = 0.0) -> float:
+    """Best (1 + sum gains) / (draft + verify) over every parent-closed subset of the tree.
+
+    With `draft`, revealing a subset costs one draft call per depth level, expanding exactly the
+    parents the subset needs there (the cheapest schedule); without, the draft cost is `sunk`.
+    """
+    best = 0.0
+    for s in closed_subsets(t, max(verify.by_width) - 1):
+        d = sunk
+        if draft is not None:
+            for depth in range(1, 1 + max((t.depths[i] for i in s), default=0)):
+                d += draft(len({t.parents[i] for i in s if t.depths[i] == depth}))
+        best = max(best, (1 + sum(t.gains[i] for i in s)) / (d + verify(len(s) + 1)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_is_the_brute_force_optimum(seed):
+    rng = np.random.default_rng(seed)
+    t = synthetic_tree(rng, branching=2, depth=3)
+    sunk = float(rng.uniform(0.0, 0.5))
+    sel = select(t.gains, t.depths, VERIFY, sunk)
+    assert sel.rate == pytest.approx(brute_rate(t, VERIFY, None, sunk), rel=1e-9)
+    sub, _ = t.subtree(sel.nodes)  # closed under parents (subtree() raises otherwise)
+    assert len(sub) <= sel.width
+
+
+def synthetic_expand(full: Tree):
+    """An expand function that reveals the full tree's children (the 'draft')."""
+
+    def expand(pool: Tree, nodes: list[int]):
+        out = []
+        for x in nodes:
+            # find the full-tree node at the same path by tokens
+            path_tokens = [pool.tokens[i] for i in pool.path(x)][1:]
+            u = 0
+            for tok in path_tokens:
+                u = full.child_with(u, tok)
+            kids = sorted(full.children(u), key=lambda c: -full.probs[c])
+            out.append(([full.tokens[c] for c in kids], [full.probs[c] for c in kids]))
+        return out
+
+    return expand
+
+
+def builder(draft_cost: float, full: Tree | None = None, top_k: int = 2) -> TreeBuilder:
+    calib = Calibrator(top_k=top_k)
+    calib.identity = True
+    b = TreeBuilder(VERIFY, StepCost({1: draft_cost, 8: draft_cost * 1.1}), top_k=top_k, calibrator=calib)
+    if full is not None:  # phantom children estimated from the synthetic distribution's mean ranks
+        kids = [sorted((full.probs[c] for c in full.children(u)), reverse=True) for u in range(len(full))]
+        kids = [k for k in kids if k]
+        calib.child_mean = np.mean(kids, axis=0)
+    calib.observe_children = lambda probs, decay=0.05: None  # keep the estimate fixed
+    return b
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("draft_cost", [0.02, 0.1, 0.3])
+def test_online_growth_is_near_the_brute_force_optimum(seed, draft_cost):
+    rng = np.random.default_rng(100 + seed)
+    full = synthetic_tree(rng, branching=2, depth=3)
+    b = builder(draft_cost, full)
+    res = b.build(0, synthetic_expand(full))
+    opt = brute_rate(full, VERIFY, b.draft)
+    got = res.selection.rate
+    assert got <= opt * (1 + 1e-9)
+    assert got >= 0.8 * opt, (got, opt, res.draft_calls)
+
+
+def test_adaptive_stop_rule():
+    rng = np.random.default_rng(7)
+    full = synthetic_tree(rng, branching=2, depth=3)
+    cheap = builder(0.01, full).build(0, synthetic_expand(full))
+    dear = builder(2.0, full).build(0, synthetic_expand(full))
+    assert len(dear.draft_calls) == 1  # only the root's (mandatory) call: deeper drafting never pays
+    assert len(cheap.draft_calls) >= 3 and max(cheap.pool.depths) == 3
+    for res in (cheap, dear):
+        for rec in res.trace[1:]:
+            if "batch" in rec:  # expanded only when the batch's marginal rate beat the average rate
+                assert rec["marginal_rate"] > rec["rate"] and rec["est_rate"] > rec["rate"]
+        # stopped when no batch's estimated rate beats the current rate
+        assert "batch" not in res.trace[-1]
+
+
+def test_ancestor_mask_and_positions_against_reference():
+    from toolchain.capture import StepLayout
+    from toolchain.runtime.cache import KVCache
+
+    t = Tree.root(5)
+    a = t.add(0, 6, 0.5, 0.5)
+    t.add(0, 7, 0.3, 0.3)
+    c = t.add(a, 8, 0.9, 0.45)
+    t.add(c, 9, 0.9, 0.4)
+    ref = np.zeros((len(t), len(t)), dtype=bool)
+    for i in range(len(t)):
+        j = i
+        while j >= 0:
+            ref[i, j] = True
+            j = t.parents[j]
+    assert (t.ancestor_mask() == ref).all()
+    assert t.depths == [0, 1, 1, 2, 3]
+    layout = StepLayout(width=8, context=32, n_layers=1, n_heads=2, n_kv=1, head_dim=4, hidden=8, vocab=16,
+                        layer_kinds=("full",), rope_per_kind=False, sliding_window=None)
+    rope = {"cos": np.arange(32 * 2, dtype=np.float32).reshape(32, 2), "sin": np.zeros((32, 2), np.float32)}
+    cache = KVCache(layout, rope)
+    cache.length = 10
+    feeds = cache.step_inputs(t.tokens, 8, t.ancestor_mask(), t.depths)
+    mask = feeds["attention_mask"][0, 0]
+    past = 32 - 8
+    for i in range(8):
+        for k in range(32):
+            if k < 10:
+                want = True  # every query (padding too) sees the committed text
+            elif past <= k:
+                j = k - past
+                want = ref[i, j] if i < len(t) and j < len(t) else i == j
+            else:
+                want = False
+            assert (mask[i, k] == 0.0) == want, (i, k)
+            assert mask[i, k] in (0.0, MASK_MIN)
+    pos = feeds["position_cos"][0, 0, :, 0] / 2
+    assert list(pos[: len(t)]) == [10 + d for d in t.depths]
+
+
+def test_greedy_walk_takes_the_longest_matching_path():
+    t = Tree.root(0)
+    a = t.add(0, 1, 0.6, 0.6)
+    t.add(0, 2, 0.3, 0.3)
+    b = t.add(a, 3, 0.5, 0.3)
+    t.add(b, 4, 0.5, 0.15)
+    rows = {0: 1, a: 3, b: 7}  # target argmax per node: 1, then 3, then 7 (not in the tree)
+    seen = []
+
+    def row(i):
+        seen.append(i)
+        out = np.zeros(8)
+        out[rows[i]] = 1.0
+        return out
+
+    acc = accept_greedy(t, row)
+    assert acc.path == [0, a, b] and acc.next_token == 7 and seen == [0, a, b]  # path rows only
+
+
+CHI2_5DOF_P001 = 20.515
+
+
+def test_sampled_multi_candidate_acceptance_is_lossless():
+    p = np.array([0.05, 0.40, 0.25, 0.15, 0.10, 0.05])
+    p2 = np.array([0.30, 0.10, 0.10, 0.20, 0.20, 0.10])
+    sampler = Sampler(temperature=1.0, seed=99)
+    t = Tree.root(0)
+    k1 = t.add(0, 2, 0.6, 0.6)  # deliberately not the target's favourite first
+    t.add(0, 3, 0.2, 0.2)
+    t.add(0, 5, 0.1, 0.1)
+    t.add(k1, 4, 0.9, 0.5)
+
+    def row(i):
+        return np.log(p2 if i == k1 else p)
+
+    trials = 20000
+    first, second = np.zeros(6), np.zeros(6)
+    for _ in range(trials):
+        acc = accept_sampled(t, row, sampler)
+        toks = [t.tokens[i] for i in acc.path[1:]] + [acc.next_token]
+        first[toks[0]] += 1
+        if toks[0] == 2:
+            second[toks[1]] += 1
+    chi = ((first - p * trials) ** 2 / (p * trials)).sum()
+    assert chi < CHI2_5DOF_P001
+    n2 = second.sum()
+    chi2 = ((second - p2 * n2) ** 2 / (p2 * n2)).sum()
+    assert chi2 < CHI2_5DOF_P001

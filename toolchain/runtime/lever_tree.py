@@ -1,0 +1,229 @@
+"""Lever's gain/cost token-tree construction (pure: no models, so it is tested on synthetic drafts).
+
+Objective of one cycle (draft a tree, verify it once):
+
+    rate = E[tokens emitted] / cycle latency = (1 + sum of node gains) / (D + V(W))
+
+A node's gain is its estimated probability that the whole path root..node is accepted: the
+product of the draft's confidences along the path, each mapped through a `Calibrator` that
+learns the observed acceptance per confidence bin. D is the draft time spent growing the tree,
+V(W) the latency of the narrowest compiled verify width W >= nodes (a step function: fixed
+shapes). Construction alternates two steps:
+
+- select: given the nodes proposed so far, the best tree is the top-(W-1) nodes by gain for
+  the width W maximizing the rate (gains shrink along paths, so the top-k is closed under
+  parents; see `select`, which is exact and tested against brute force);
+- expand: choose a batch of unexpanded nodes to run through the draft in one call (a
+  width-b draft graph costs the same for any b up to its width: batch-aware drafting), with
+  their children estimated from the calibrated mean confidence of the j-th best child. The
+  batch that maximizes the estimated rate is run only if that beats the current rate;
+  otherwise construction stops. Beating the current rate is the same as the batch's marginal
+  gain rate dG/dT exceeding the tree's average rate (1+G)/T: the adaptive stop rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from toolchain.runtime.tree import Tree
+
+# expand(tree, nodes) -> per node: (candidate tokens, their draft probabilities), best first
+ExpandFn = Callable[[Tree, list[int]], list[tuple[Sequence[int], Sequence[float]]]]
+
+
+@dataclass
+class StepCost:
+    """Latency of one call by compiled width; a call of n <= width items costs the width's latency."""
+
+    by_width: dict[int, float]
+
+    def width_for(self, n: int) -> int | None:
+        fits = [w for w in self.by_width if w >= n]
+        return min(fits) if fits else None
+
+    def __call__(self, n: int) -> float:
+        w = self.width_for(n)
+        if w is None:  # wider than every graph: several calls of the widest
+            widest = max(self.by_width)
+            return -(-n // widest) * self.by_width[widest]
+        return self.by_width[w]
+
+
+class Calibrator:
+    """Observed acceptance per (sibling rank, draft-confidence bin), with a prior at the bin's confidence.
+
+    Rank matters as much as confidence: a small or flat draft gives its best child a low
+    probability that is nonetheless usually right. The calibrator also tracks the mean
+    calibrated confidence of the j-th best child of an expanded node, which is how
+    construction estimates the gain of expanding a node before running the draft.
+    """
+
+    def __init__(self, bins: int = 10, prior: float = 2.0, top_k: int = 4):
+        self.edges = np.linspace(0.0, 1.0, bins + 1)
+        self.centers = (self.edges[:-1] + self.edges[1:]) / 2
+        self.prior = prior
+        self.offered = np.zeros((top_k, bins))
+        self.accepted = np.zeros((top_k, bins))
+        self.child_mean = np.array([0.5 / (j + 1) for j in range(top_k)])  # before any data
+        self.identity = False  # tests: gains are the raw draft probabilities
+
+    def _bin(self, p: float, rank: int) -> tuple[int, int]:
+        b = int(min(len(self.centers) - 1, max(0, np.searchsorted(self.edges, p, side="right") - 1)))
+        return min(rank, len(self.offered) - 1), b
+
+    def __call__(self, p: float, rank: int = 0) -> float:
+        if self.identity:
+            return p
+        r, b = self._bin(p, rank)
+        return float((self.accepted[r, b] + self.prior * self.centers[b]) / (self.offered[r, b] + self.prior))
+
+    def update(self, p: float, rank: int, accepted: bool) -> None:
+        r, b = self._bin(p, rank)
+        self.offered[r, b] += 1
+        self.accepted[r, b] += float(accepted)
+
+    def observe_children(self, probs: Sequence[float], decay: float = 0.05) -> None:
+        for j, p in enumerate(list(probs)[: len(self.child_mean)]):
+            self.child_mean[j] += decay * (self(p, j) - self.child_mean[j])
+
+
+@dataclass
+class Selection:
+    width: int
+    nodes: list[int]  # chosen node indices, root first, topological
+    gain: float  # expected accepted drafts (sum of gains)
+    seconds: float  # D + V(W)
+
+    @property
+    def expected_tokens(self) -> float:
+        return 1.0 + self.gain
+
+    @property
+    def rate(self) -> float:
+        return self.expected_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _order(gains: Sequence[float], depths: Sequence[int]) -> list[int]:
+    """Non-root nodes by gain, parents before children on ties (so every prefix is closed)."""
+    return sorted(range(1, len(gains)), key=lambda i: (-gains[i], depths[i], i))
+
+
+def select(gains: Sequence[float], depths: Sequence[int], verify: StepCost, draft_seconds: float,
+           order: list[int] | None = None) -> Selection:
+    """The rate-maximizing tree among the proposed nodes, and its width."""
+    order = _order(gains, depths) if order is None else order
+    csum = np.concatenate([[0.0], np.cumsum([gains[i] for i in order])])
+    best: Selection | None = None
+    for w in sorted(verify.by_width):
+        k = min(w - 1, len(order))
+        cand = Selection(w, [0, *sorted(order[:k])], float(csum[k]), draft_seconds + verify.by_width[w])
+        if best is None or cand.rate > best.rate * (1 + 1e-12):
+            best = cand
+        if k == len(order):
+            break  # wider graphs only cost more
+    assert best is not None, "no verify width"
+    return best
+
+
+@dataclass
+class BuildResult:
+    pool: Tree  # every node proposed
+    selection: Selection
+    tree: Tree  # the selected nodes, re-indexed (what the target verifies)
+    index: list[int]  # pool index of each tree node
+    draft_calls: list[int] = field(default_factory=list)  # nodes evaluated per draft call
+    draft_seconds: float = 0.0
+    trace: list[dict] = field(default_factory=list)  # per decision: current and estimated rates
+
+
+class TreeBuilder:
+    def __init__(self, verify: StepCost, draft: StepCost, top_k: int = 4, max_depth: int = 8,
+                 calibrator: Calibrator | None = None, batch: bool = True, max_nodes: int = 256):
+        self.verify = verify
+        self.draft = draft
+        self.top_k = top_k
+        self.max_depth = max_depth
+        self.calib = calibrator or Calibrator(top_k=top_k)
+        self.batch = batch
+        self.max_nodes = max_nodes
+
+    def _batch_sizes(self, n: int) -> list[int]:
+        if not self.batch:
+            return [1] if n else []
+        # within a draft width the cost is flat and phantom gains only add: try each width's top
+        return sorted({min(w, n) for w in self.draft.by_width} | {n} if n else set())
+
+    def plan(self, pool: Tree, expanded: set[int], d_seconds: float) -> tuple[Selection, list[int], dict]:
+        """(current best selection, the batch to expand next or [] to stop, a trace record)."""
+        order = _order(pool.gains, pool.depths)
+        cur = select(pool.gains, pool.depths, self.verify, d_seconds, order)
+        record = {"nodes": len(pool), "rate": cur.rate, "expected_tokens": cur.expected_tokens}
+        if len(pool) >= self.max_nodes:
+            return cur, [], record
+        elig = [i for i in [0, *order] if i not in expanded and pool.depths[i] < self.max_depth]
+        best_b, best_sel = 0, cur
+        for b in self._batch_sizes(len(elig)):
+            gains, depths = list(pool.gains), list(pool.depths)
+            for x in elig[:b]:
+                for m in self.calib.child_mean[: self.top_k]:
+                    gains.append(pool.gains[x] * float(m))
+                    depths.append(pool.depths[x] + 1)
+            est = select(gains, depths, self.verify, d_seconds + self.draft(b))
+            if est.rate > best_sel.rate * (1 + 1e-9):
+                best_b, best_sel = b, est
+        if best_b:
+            dg = best_sel.gain - cur.gain
+            dt = best_sel.seconds - cur.seconds
+            record.update(batch=best_b, est_rate=best_sel.rate,
+                          marginal_rate=dg / dt if dt > 0 else float("inf"))
+        return cur, elig[:best_b], record
+
+    def build(self, root_token: int, expand: ExpandFn) -> BuildResult:
+        pool = Tree.root(root_token)
+        expanded: set[int] = set()
+        d_seconds = 0.0
+        calls: list[int] = []
+        trace: list[dict] = []
+        while True:
+            _, batch, record = self.plan(pool, expanded, d_seconds)
+            trace.append(record)
+            if not expanded:
+                # the root always runs: its draft call also feeds the draft the committed tokens it
+                # has not seen, and a policy that stopped drafting could never learn it should resume
+                batch = [0]
+            if not batch:
+                break
+            results = expand(pool, batch)
+            d_seconds += self.draft(len(batch))
+            calls.append(len(batch))
+            for node, (toks, probs) in zip(batch, results, strict=True):
+                expanded.add(node)
+                if len(toks) > self.top_k:  # candidates beyond top_k are shadows, never tree nodes
+                    pool.shadows[node] = [int(t) for t in list(toks)[self.top_k :]]
+                self.calib.observe_children(list(probs)[: self.top_k])
+                for rank, (tok, p) in enumerate(list(zip(toks, probs, strict=True))[: self.top_k]):
+                    pool.add(node, int(tok), float(p), pool.gains[node] * self.calib(float(p), rank))
+        sel = select(pool.gains, pool.depths, self.verify, d_seconds)
+        tree, index = pool.subtree(sel.nodes)
+        return BuildResult(pool, sel, tree, index, calls, d_seconds, trace)
+
+    def learn(self, pool: Tree, path: Sequence[int], next_token: int) -> None:
+        """Calibrate on one verification: the target's choice at every accepted node is known
+        (the next path token, or the correction), so every proposed child of it is a trial,
+        whether or not it was selected for verification."""
+        for i, u in enumerate(path):
+            choice = pool.tokens[path[i + 1]] if i + 1 < len(path) else next_token
+            kids = sorted(pool.children(u), key=lambda c: -pool.probs[c])
+            for rank, c in enumerate(kids):
+                self.calib.update(pool.probs[c], rank, pool.tokens[c] == choice)
+
+
+def top_candidates(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most probable tokens of a distribution, best first."""
+    k = min(k, probs.shape[-1])
+    idx = np.argpartition(-probs, k - 1)[:k]
+    idx = idx[np.argsort(-probs[idx], kind="stable")]
+    return idx, probs[idx]

@@ -1,0 +1,227 @@
+"""lever: gain/cost token trees, verified in one fixed-width target call, lossless.
+
+A cycle: the draft runs the tokens it has not seen (ending with the root, the target's newest
+unverified token); TreeBuilder grows a token tree by gain/cost with batched draft calls and
+stops adaptively (toolchain/runtime/lever_tree.py); the target verifies the tree with one call
+of the chosen compiled width (toolchain/runtime/tree_exec.py), logits only on the accepted
+path when the lm_head is split off and that is cheaper; the builder's calibrator learns from
+the outcome; the draft keeps the rows of the accepted tokens it already ran.
+
+Costs come from `prices`: the phone cost model by default (the decisions a phone would make;
+the CPU then runs them) or this CPU's measured call times (`cost="cpu"`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from toolchain.errors import MobcError
+from toolchain.runtime.lever_costs import CpuPrices, PhonePrices, Prices
+from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, top_candidates
+from toolchain.runtime.model import StepModel
+from toolchain.runtime.policies.base import Policy
+from toolchain.runtime.policies.sampling import Sampler
+from toolchain.runtime.tree_exec import DraftTree, TreeVerifier
+
+
+@dataclass
+class LeverConfig:
+    top_k: int = 4  # children proposed per expanded node
+    max_depth: int = 8
+    batch: bool = True  # several frontier nodes per draft call
+    logits: str = "auto"  # path | full | auto (path when the cost model says it is cheaper)
+    cost: str = "phone"  # phone | cpu
+    device: str = "snapdragon-8-gen-3"
+    target_dram: float = 0.0
+    draft_dram: float = 1.0
+    max_nodes: int = 128
+    shadows: int = 4  # extra draft candidates per expanded node, for predictor normalization
+
+
+@dataclass
+class LeverStats:
+    widths: Counter[int] = field(default_factory=Counter)  # verify width chosen per cycle
+    tree_nodes: list[int] = field(default_factory=list)
+    expected_tokens: list[float] = field(default_factory=list)  # builder's estimate per cycle
+    draft_calls_per_cycle: list[int] = field(default_factory=list)
+    logits_rows: int = 0  # lm_head rows computed
+    logits_rows_full: int = 0  # rows a full lm_head would have computed
+    pruned: list[tuple[int, int]] = field(default_factory=list)  # (nodes before, after) per cycle
+    curves: list[np.ndarray] = field(default_factory=list)  # per cycle: 1 + cumsum of sorted pool gains
+
+
+class Lever(Policy):
+    name = "lever"
+
+    def __init__(self, target: StepModel, draft: StepModel | None = None, config: LeverConfig | None = None,
+                 prices: tuple[Prices, Prices] | None = None, verifier: TreeVerifier | None = None):
+        if draft is None:
+            raise MobcError("policy lever needs a draft model: pass --draft <artifact folder>")
+        if draft.vocab != target.vocab:
+            raise MobcError(f"draft {draft.name} and target {target.name} have different vocabularies")
+        super().__init__(target, draft)
+        self.config = cfg = config or LeverConfig()
+        if prices is None:
+            prices = ((PhonePrices(target, cfg.device, cfg.target_dram), PhonePrices(draft, cfg.device, cfg.draft_dram))
+                      if cfg.cost == "phone" else (CpuPrices(target), CpuPrices(draft)))
+        self.t_prices, self.d_prices = prices
+        logits = "path" if cfg.logits == "auto" else cfg.logits
+        self.verifier = verifier or TreeVerifier(target, logits=logits if self._can_split() else "full")
+        self.mean_emitted = 2.0  # running mean of tokens per cycle (prices path-only logits)
+        self.builder = TreeBuilder(self._verify_costs(), self._draft_costs(), cfg.top_k, cfg.max_depth,
+                                   Calibrator(top_k=cfg.top_k), cfg.batch, cfg.max_nodes)
+        self.lever = LeverStats()
+
+    def _can_split(self) -> bool:
+        return any(s.record["role"] == "lm_head" for s in self.target.sessions.chain(self.target.decode_family))
+
+    def _verify_costs(self) -> StepCost:
+        """V(W) per compiled width; with path-only logits, the body plus the expected head rows."""
+        out = {}
+        v = self.verifier
+        for w, fam in v.widths.items():
+            body, head = v.body_and_head(fam)
+            full = self.t_prices.seconds(fam)
+            if head is None or v.row_head is None:
+                out[w] = full
+                continue
+            path = self.t_prices.seconds(f"body:{fam}") + self.mean_emitted * self.t_prices.seconds(
+                f"stage:{v.row_head.name}")
+            if self.config.logits == "auto":
+                v.modes[w] = "path" if path < full else "full"
+            out[w] = path if v.modes.get(w, v.logits) == "path" else full
+        return StepCost(out)
+
+    def _draft_costs(self) -> StepCost:
+        return StepCost({self.draft.widths[f]: self.d_prices.seconds(f) for f in self.draft.widths})
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
+        assert self.draft is not None
+        draft, target = self.draft, self.target
+        self._start(prompt)
+        self.lever = LeverStats()
+        t_logits = target.prefill(prompt)
+        draft.prefill(prompt)
+        self._end_prefill()
+        pending = sampler.pick(t_logits)
+        n = 1
+        self.stats.tokens = 1
+        drafter = DraftTree(draft)
+        widest = max(self.verifier.widths)
+        try:
+            yield [pending]
+            if pending in target.eos_ids:
+                return
+            todo = [pending]
+            while n < max_new_tokens:
+                # scratch rows of the draft tree must fit its cache: cap the tree's size to the room left
+                room = draft.cache.free(max(draft.widths.values())) - len(todo)
+                self.builder.max_nodes = min(self.config.max_nodes, room)
+                if not (target.cache.free(widest) >= 0 and room > self.config.top_k):
+                    if not target.room(1):  # out of context: finish like ar
+                        return
+                    pending = sampler.pick(target.feed([pending]))
+                    n += 1
+                    self.stats.tokens = n
+                    yield [pending]
+                    if pending in target.eos_ids:
+                        return
+                    todo.append(pending)
+                    continue
+                root_logits = drafter.start(todo)
+                res = self.builder.build(pending, self._expander(drafter, root_logits, sampler))
+                vr = self.verifier.verify(res.tree, sampler)
+                acc = vr.acceptance
+                pool_path = [res.index[i] for i in acc.path]
+                self.builder.learn(res.pool, pool_path, acc.next_token)
+                kept = drafter.finish(pool_path)
+                toks = [res.tree.tokens[i] for i in acc.path[1:]]
+                todo = [*toks[kept:], acc.next_token]
+                self._record(res, vr, len(toks) + 1)
+                new, stop = self._clip([*toks, acc.next_token], max_new_tokens - n)
+                n += len(new)
+                self.stats.tokens = n
+                pending = acc.next_token
+                yield new
+                if stop:
+                    return
+        finally:
+            self._finish()
+
+    def _expander(self, drafter: DraftTree, root_logits: np.ndarray, sampler: Sampler):
+        k = self.config.top_k + self.config.shadows
+
+        def probs(logits: np.ndarray) -> np.ndarray:
+            # greedy: the draft's own softmax is its confidence; sampling: the tempered draft q
+            if sampler.greedy:
+                z = logits.astype(np.float64) - logits.max()
+                e = np.exp(z)
+                return e / e.sum()
+            return sampler.probs(logits)
+
+        def expand(pool, nodes: list[int]):
+            rest = [x for x in nodes if x != 0]
+            rows = dict(zip(rest, drafter.expand(pool, rest), strict=True)) if rest else {}
+            rows[0] = root_logits
+            return [top_candidates(probs(rows[x]), k) for x in nodes]
+
+        return expand
+
+    def _record(self, res, vr, emitted: int) -> None:
+        self.stats.accepted.append(vr.acceptance.accepted)
+        lv = self.lever
+        lv.widths[vr.width] += 1
+        lv.tree_nodes.append(len(res.tree))
+        lv.expected_tokens.append(res.selection.expected_tokens)
+        lv.draft_calls_per_cycle.append(len(res.draft_calls))
+        lv.logits_rows += vr.rows_logits
+        lv.logits_rows_full += vr.rows_total
+        if vr.pruned_width is not None:
+            lv.pruned.append((len(res.tree), vr.info.get("kept", len(res.tree))))
+        self.mean_emitted += 0.1 * (emitted - self.mean_emitted)
+        gains = np.sort(np.asarray(res.pool.gains[1:], dtype=np.float64))[::-1][:63]
+        lv.curves.append(1.0 + np.concatenate([[0.0], np.cumsum(gains)]))  # index n-1: n-node tree
+
+
+VARIANTS = {
+    "": {},
+    "path": {"logits": "path"},  # force logits on the accepted path only
+    "full": {"logits": "full"},  # force one lm_head call over every tree row
+    "nobatch": {"batch": False},  # one frontier node per draft call
+}
+
+
+def make(target: StepModel, draft: StepModel | None, gamma: int = 4, variant: str = "", **options) -> Policy:
+    """make_policy entry: `lever`, `lever+path`, `lever+full`, `lever+nobatch`, `lever+prune[+...]`.
+
+    options: LeverConfig fields (device, target_dram, draft_dram, cost, top_k, ...) and
+    `predictor` (a file written by `mobc train predictor`, for +prune).
+    """
+    fields = {f for f in LeverConfig.__dataclass_fields__}
+    cfg = {k: v for k, v in options.items() if k in fields and v is not None}
+    prune = False
+    for part in filter(None, variant.split("+")):
+        if part == "prune":
+            prune = True
+        elif part in VARIANTS:
+            cfg.update(VARIANTS[part])
+        else:
+            raise MobcError(f"unknown lever variant {part!r}; use one of prune, {', '.join(v for v in VARIANTS if v)}")
+    config = LeverConfig(**cfg)
+    if not prune:
+        return Lever(target, draft, config)
+    from toolchain.runtime.predictor import PrunedVerifier, load_predictor
+
+    path = options.get("predictor") or target.folder / "predictor.json"  # where `mobc train predictor` writes
+    if not Path(path).is_file():
+        raise MobcError(f"lever+prune needs a predictor ({path} does not exist): run `mobc train predictor "
+                        f"{target.folder} --draft <draft folder>`")
+    verifier = PrunedVerifier(target, load_predictor(path), logits="path" if config.logits != "full" else "full")
+    pol = Lever(target, draft, config, verifier=verifier)
+    pol.name = "lever+prune"
+    return pol
