@@ -5,7 +5,8 @@ from passes.registry import PASSES, build, register
 __all__ = ["PASSES", "build", "register"]
 
 # importing a pass module registers it
-from passes import (  # noqa: E402,F401  # noqa: E402,F401
+from passes import (  # noqa: E402,F401
+    check_htp,
     fold_constants,
     forecast_inputs,
     linear_to_conv,
@@ -13,7 +14,7 @@ from passes import (  # noqa: E402,F401  # noqa: E402,F401
     mha_to_sha,
     rescale_residual,
     scale_rmsnorm,
+    simplify_layout,
     split_layers,
     split_lm_head,
 )
-from passes import rescale_residual, scale_rmsnorm  # noqa: E402,F401

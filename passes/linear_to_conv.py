@@ -11,7 +11,9 @@ Rewrite rules:
     inputs are NCHW too or scalar constants (SiLU/GELU gating, products), and to_nchw(from_nchw(y))
     cancels to y, so an MLP stays NCHW from gate/up to down_proj; from_nchw is only emitted
     where a consumer needs the [.., T, O] layout (residual adds, attention reshapes, outputs).
-    `keep_layout: none` wraps every Conv on its own.
+    `keep_layout: none` wraps every Conv on its own. With nchw, the chains that remain are
+    collapsed by simplify_layout's rules (Reshape∘Reshape, Transpose∘Transpose, unit-axis
+    Transposes), so a decode projection is Reshape -> Conv -> Reshape.
 Conv weights are named `<node scope>.weight` (deterministic across widths, so weights dedup).
 Requires: static shapes (leading dims of x are flattened into T).
 Ensures: no MatMul or Gemm with a constant 2-D weight (directly or through a Transpose) remains.
@@ -35,6 +37,7 @@ from passes._graph import (
     shape_of,
 )
 from passes.registry import PassConfig, register
+from passes.simplify_layout import simplify
 
 _PUSH = {
     "Sigmoid",
@@ -209,6 +212,8 @@ class LinearToConv(ir.passes.InPlacePass):
         cv.materialize()
         remove_unused(model)
         mark_names_stale(model.graph)
+        if cv.push:
+            simplify(model)  # cancel the reshape/transpose chains left at block boundaries
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
