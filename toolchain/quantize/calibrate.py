@@ -15,6 +15,8 @@ per tensor, so each call contributes two scalars per tensor and no activation is
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,12 @@ from typing import Any
 
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
-from onnxruntime.quantization.calibrate import TensorsData, create_calibrator
+from onnxruntime.quantization.calibrate import (
+    TensorsData,
+    create_calibrator,
+    load_tensors_data,
+    save_tensors_data,
+)
 
 from toolchain.runtime.cache import KVCache
 from toolchain.runtime.greedy import family_by_role
@@ -34,6 +41,8 @@ CALIBRATION_FILES = ("argparse.py", "typing.py", "inspect.py", "subprocess.py", 
 HELDOUT_FILES = ("textwrap.py", "difflib.py", "heapq.py", "fractions.py", "json/decoder.py",
                  "shutil.py", "calendar.py", "bisect.py")
 assert not set(CALIBRATION_FILES) & set(HELDOUT_FILES)
+CACHE_DIR = Path(os.environ.get("MOBC_CACHE", Path.home() / ".cache" / "mobc")) / "calibration"
+CACHE_VERSION = 1
 
 
 def corpus_text(files: tuple[str, ...]) -> str:
@@ -135,9 +144,32 @@ class GraphCalibrator:
         return self.calibrator.compute_data()
 
 
+def cache_key(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int) -> str:
+    """Content hash of everything the ranges depend on: graphs, weights, text, sample plan."""
+    h = hashlib.sha256(json.dumps([sessions.manifest["weights"]["sha256"], samples, seed, CACHE_VERSION,
+                                   [st.record["sha256"] for st in sessions.chain(family)]]).encode())
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    return h.hexdigest()[:32]
+
+
 def calibrate_family(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int,
                      work: Path) -> dict[str, TensorsData]:
-    """Ranges of every float tensor of each stage graph of `family` (chains run stage by stage)."""
+    """Ranges of every float tensor of each stage graph of `family`, cached by content hash (so a
+    W4A16 and a W4A8 compile of the same graphs calibrate once)."""
+    chain = sessions.chain(family)
+    key = cache_key(sessions, family, tokens, samples, seed)
+    cached = {st.name: CACHE_DIR / f"{key}-{st.name}.json" for st in chain}
+    if all(p.is_file() for p in cached.values()):
+        return {name: load_tensors_data(p) for name, p in cached.items()}
+    ranges = _calibrate(sessions, family, tokens, samples, seed, work)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    for name, r in ranges.items():
+        save_tensors_data(r, cached[name])
+    return ranges
+
+
+def _calibrate(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int,
+               work: Path) -> dict[str, TensorsData]:
     chain = sessions.chain(family)
     cals = {st.name: GraphCalibrator(sessions.folder / st.record["file"], work) for st in chain}
     for feeds in family_feeds(sessions, family, tokens, samples, seed):

@@ -54,3 +54,14 @@ def tokenizer(compiled: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(compiled / "tokenizer")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _calibration_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Calibration ranges are cached by content hash; keep the tests' cache out of ~/.cache."""
+    from toolchain.quantize import calibrate
+
+    old = calibrate.CACHE_DIR
+    calibrate.CACHE_DIR = tmp_path_factory.mktemp("calib-cache")
+    yield
+    calibrate.CACHE_DIR = old
