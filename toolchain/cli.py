@@ -179,6 +179,22 @@ def eval_qnn(
                   f"max |logit diff| {gr['logits_max_abs']:.4g}")
 
 
+@eval_app.command("sensitivity")
+def eval_sensitivity(
+    artifact: Path = typer.Argument(..., help="artifact folder with a quantized/ sub-artifact"),
+    graph: str = typer.Option("decode", "--graph", help="graph to analyse"),
+    top: int = typer.Option(15, "--top", help="rows to show"),
+) -> None:
+    """Which tensors dominate the quantization error: worst SQNR per layer block (float vs QDQ)."""
+    from transformers import AutoTokenizer
+
+    from toolchain.quantize.sensitivity import sensitivity, sensitivity_table
+    from toolchain.report import rich_table
+
+    rows = sensitivity(artifact, AutoTokenizer.from_pretrained(artifact / "tokenizer"), graph)
+    console.print(rich_table(f"Quantization sensitivity of {graph} (lowest SQNR first)", sensitivity_table(rows, top)))
+
+
 def main() -> None:
     try:
         app()
