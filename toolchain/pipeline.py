@@ -77,6 +77,7 @@ def model_record(loaded: LoadedModel, layout: StepLayout) -> dict[str, Any]:
         "eos_token_ids": eos_ids(cfg), "bos_token_id": getattr(cfg, "bos_token_id", None),
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         "has_chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+        "diffusion": loaded.diffusion,  # masked-diffusion form (toolchain/diffusion/form.py) or None
     }
 
 
@@ -106,9 +107,13 @@ def export_graphs(recipe: Recipe, loaded: LoadedModel, timer: _Timer) -> tuple[G
     return graphs, layouts
 
 
-def reference_cases(loaded: LoadedModel, layouts: dict[str, StepLayout], rope: dict) -> dict[str, Case]:
+def reference_cases(loaded: LoadedModel, layouts: dict[str, StepLayout], rope: dict,
+                    roles: dict[str, str] | None = None) -> dict[str, Case]:
     tokens = loaded.tokenizer(real_text()).input_ids
-    return {name: reference_case(loaded.model, tokens, lay, rope, seed=i)
+    mask_id = (loaded.diffusion or {}).get("mask_token_id")
+    # a diffusion model's block graphs are checked on a bidirectional block with mask tokens
+    return {name: reference_case(loaded.model, tokens, lay, rope, seed=i,
+                                 mask_token_id=mask_id if (roles or {}).get(name) == "diffusion" else None)
             for i, (name, lay) in enumerate(layouts.items())}
 
 
@@ -164,7 +169,7 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
     any_layout = next(iter(layouts.values()))
     rope = rope_tables(loaded.model, any_layout, max(s.context for s in recipe.graphs.values()))
     with timer.stage("reference cases (transformers)"):
-        cases = reference_cases(loaded, layouts, rope)
+        cases = reference_cases(loaded, layouts, rope, {n: recipe.graph_role(n) for n in layouts})
 
     pass_rows: list[dict[str, Any]] = []
     if recipe.passes:

@@ -66,6 +66,8 @@ class LoadedModel:
     description: str
     fingerprint: str  # sha256 over the weight files: caches and the manifest key on it
     files: list[str]
+    # masked-diffusion form (diffusion.json beside config.json) or None for an AR checkpoint
+    diffusion: dict[str, Any] | None = None
 
     @property
     def family(self) -> str:
@@ -222,6 +224,9 @@ def load(spec: SourceSpec, base: Path | None = None) -> LoadedModel:
                 _write_gguf_cache(model, tokenizer, cached)
         except OSError:
             pass  # the cache is an optimization; a read-only home must not fail the compile
+    from toolchain.diffusion.form import read_form
+
+    form = None if gguf else read_form(folder)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -229,4 +234,5 @@ def load(spec: SourceSpec, base: Path | None = None) -> LoadedModel:
         description=spec.describe(),
         fingerprint=fingerprint,
         files=[str(p) for p in source_files],
+        diffusion=form.to_dict() if form else None,
     )

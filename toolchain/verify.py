@@ -70,7 +70,9 @@ def _hf_masks(layout: StepLayout, past_len: int, allowed: np.ndarray, positions:
 
 @torch.no_grad()
 def reference_case(model: Any, tokens: list[int], layout: StepLayout, rope: dict[str, np.ndarray],
-                   seed: int = 0) -> Case:
+                   seed: int = 0, mask_token_id: int | None = None) -> Case:
+    """With mask_token_id (a diffusion model's block graph): a bidirectional block in which about
+    half the new tokens are the mask token, instead of a random tree."""
     n, cl = layout.width, layout.context
     past_len = max(1, min((cl - n) * 3 // 4, len(tokens) - n))
     if past_len + n > len(tokens):
@@ -78,6 +80,10 @@ def reference_case(model: Any, tokens: list[int], layout: StepLayout, rope: dict
     prefix = torch.tensor([tokens[:past_len]])
     new = tokens[past_len : past_len + n]
     allowed, depths = random_tree(n, np.random.default_rng(seed))
+    if mask_token_id is not None:
+        rng = np.random.default_rng(seed)
+        new = [mask_token_id if rng.random() < 0.5 else t for t in new]
+        allowed, depths = np.ones((n, n), dtype=bool), list(range(n))
     positions = past_len + np.asarray(depths)
 
     hf_cache = DynamicCache()

@@ -10,6 +10,11 @@ from toolchain.runtime.policies.chain import Chain
 from toolchain.runtime.policies.sampling import Sampler, accept_chain
 
 POLICIES: dict[str, type[Policy]] = {"ar": AR, "chain": Chain}
+# diffusion LMs (toolchain/runtime/policies/diffusion.py, llada.py): LLaDA steps, Fast-dLLM threshold, llada
+from toolchain.runtime.policies.diffusion import DiffusionPolicy, FastDLLM  # noqa: E402
+from toolchain.runtime.policies.llada import LLaDA  # noqa: E402
+
+POLICIES.update({"dllm": DiffusionPolicy, "fastdllm": FastDLLM, "llada": LLaDA})
 # tree and asynchronous policies register themselves here (imported lazily: they pull in more)
 LAZY_POLICIES = {"lever": "toolchain.runtime.policies.lever:make", "ahasd": "toolchain.runtime.policies.ahasd:make"}
 

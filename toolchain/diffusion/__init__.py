@@ -1,0 +1,1 @@
+"""Diffusion LMs: the checkpoint form, adaptation training, decision rules, a torch reference."""
