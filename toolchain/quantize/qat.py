@@ -106,9 +106,11 @@ def _graph_key(module_name: str) -> str:
     return module_name.removeprefix("model.")
 
 
-def wrap(model: nn.Module, spec: QuantizeSpec) -> dict[str, QLinear]:
+def wrap(model: nn.Module, spec: QuantizeSpec, input_types: dict[str, str] | None = None) -> dict[str, QLinear]:
+    """input_types: the graph's activation type of each linear's input (e.g. 16-bit after norms)."""
     from toolchain.quantize.qdq import node_overrides
 
+    input_types = input_types or {}
     wrapped: dict[str, QLinear] = {}
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, lin in targets:
@@ -117,7 +119,7 @@ def wrap(model: nn.Module, spec: QuantizeSpec) -> dict[str, QLinear]:
         wbits = o.get("weights", spec.weights)
         if wbits == "float":
             continue
-        abits = o.get("activations", spec.activations)
+        abits = input_types.get(key, o.get("activations", spec.activations))
         q = QLinear(lin, wbits, abits if abits == "int8" else None, spec.qat_spec.train_weights)
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, name.rpartition(".")[2], q)
@@ -145,7 +147,8 @@ def _kl(teacher: torch.Tensor, student: torch.Tensor, t: float) -> torch.Tensor:
 
 
 def run_qat(model: nn.Module, tokens: list[int], spec: QuantizeSpec,
-            log: Callable[[str], None] = lambda m: None) -> tuple[QatResult, dict[str, Any]]:
+            log: Callable[[str], None] = lambda m: None,
+            input_types: dict[str, str] | None = None) -> tuple[QatResult, dict[str, Any]]:
     cfg = spec.qat_spec
     torch.manual_seed(spec.calibration.seed)
     rng = np.random.default_rng(spec.calibration.seed)
@@ -153,7 +156,7 @@ def run_qat(model: nn.Module, tokens: list[int], spec: QuantizeSpec,
     frozen = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
-    wrapped = wrap(model, spec)
+    wrapped = wrap(model, spec, input_types)
     L = cfg.seq_len
 
     def batch() -> torch.Tensor:

@@ -132,7 +132,8 @@ def build_overrides(model: onnx.ModelProto, spec: QuantizeSpec, kv_params: dict[
             schemes[w.name] = {"node": node.name, "dtype": wtype, "granularity": gran,
                                "axis": entry.get("axis"), "symmetric": True,
                                "block_size": spec.block_size if gran == "block" else None}
-            if qat and (rng := _qat_lookup(qat.act_range, node.name)) is not None:
+            in_type = ov.get(node.input[0], [{}])[0].get("quant_type", ACT_QTYPES[spec.activations])
+            if qat and in_type == QuantType.QUInt8 and (rng := _qat_lookup(qat.act_range, node.name)) is not None:
                 ov.setdefault(node.input[0], [{}])[0].update(rmin=np.float32(rng[0]), rmax=np.float32(rng[1]))
         if node.op_type == "Gather" and node.input[0] in inits:
             etype = o.get("weights", spec.embedding)
@@ -181,6 +182,18 @@ def kv_chain(name: str, producer: dict[str, onnx.NodeProto]) -> list[str]:
         chain.append(node.input[0])
         node = producer.get(node.input[0])
     return chain
+
+
+def linear_input_types(model: onnx.ModelProto, spec: QuantizeSpec) -> dict[str, str]:
+    """Activation type of each weight op's input, by node-name prefix (what QAT must simulate):
+    the producer's pattern override decides, e.g. a norm output kept at 16 bits."""
+    producer = {o: n.name for n in model.graph.node for o in n.output}
+    types = {}
+    for n in model.graph.node:
+        if n.op_type in WEIGHT_OPS and "/" in n.name:
+            o = node_overrides(spec, producer.get(n.input[0], ""))
+            types[n.name.rpartition("/")[0]] = o.get("activations", spec.activations)
+    return types
 
 
 def _qat_lookup(table: dict[str, Any], node_name: str) -> Any:

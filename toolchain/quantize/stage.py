@@ -63,7 +63,13 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: A
         from toolchain.quantize.qat import run_qat
 
         t = time.perf_counter()
-        qat, qat_record = run_qat(model, tokens, spec, log=log)
+        import onnx
+
+        from toolchain.quantize.qdq import linear_input_types
+
+        first = next(iter(sessions.stages.values())).record["file"]
+        types = linear_input_types(onnx.load(folder / first, load_external_data=False), spec)
+        qat, qat_record = run_qat(model, tokens, spec, log=log, input_types=types)
         timings["qat"] = round(time.perf_counter() - t, 2)
     out = folder / QUANT_DIR
     shutil.rmtree(out, ignore_errors=True)

@@ -61,3 +61,14 @@ def test_qat_scales_land_in_the_graph(artifact, tokenizer, tiny_src, monkeypatch
     enc = json.loads((artifact / "quantized" / "decode.encodings.json").read_text())["activation_encodings"][act_in]
     assert enc[0]["bitwidth"] == 8
     np.testing.assert_allclose(enc[0]["scale"], (hi - lo) / 255, rtol=1e-4)
+
+
+def test_qat_simulates_the_graph_input_types(compiled):
+    from toolchain.quantize.qdq import linear_input_types
+
+    spec = QuantizeSpec(activations="int8", overrides={"*norm*": {"activations": "int16"}})
+    types = linear_input_types(onnx.load(compiled / "decode.onnx", load_external_data=False), spec)
+    assert types["layers.0.self_attn.q_proj"] == "int16"  # fed by input_layernorm
+    assert types["layers.0.mlp.up_proj"] == "int16"  # fed by post_attention_layernorm
+    assert types["layers.0.self_attn.o_proj"] == "int8"
+    assert types["layers.1.mlp.down_proj"] == "int8"
