@@ -155,6 +155,11 @@ app.command("run")(_run)
 app.add_typer(bench_app, name="bench")
 app.add_typer(train_app, name="train")
 
+# `mobc adapter pack|train|verify`; also adds `bench ctg|ds2d` and `train forecast` (toolchain/lora_cli.py)
+from toolchain.lora_cli import adapter_app  # noqa: E402
+
+app.add_typer(adapter_app, name="adapter")
+
 # `mobc train diffusion`, `mobc bench diffusion` (toolchain/diffusion/cli.py)
 from toolchain.diffusion.cli import register as _register_diffusion  # noqa: E402
 

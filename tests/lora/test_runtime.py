@@ -6,27 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.tiny import save_tiny, tiny_tokenizer, write_recipe
+from tests.lora.conftest import M
+from tests.tiny import tiny_tokenizer
 from toolchain.adapters import Adapter
-from toolchain.pipeline import compile_recipe
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
 from toolchain.runtime.policies.ctg import bind_adapters, sequential_styles
 from toolchain.runtime.policies.ds2d import DS2D
 
-M = 2  # forecast slots; tree width (M+1)^2 = 9
-GRAPHS = ("  decode: {width: 1, context: 64}\n  prefill: {width: 8, context: 64}\n"
-          "  ctg: {width: 4, context: 64, role: tree}\n  tree: {width: 9, context: 64}\n")
-PASSES = ("passes:\n  - mha_to_sha\n  - lora_inputs: {targets: [q_proj, v_proj, down_proj], max_rank: 4, slots: 3}\n"
-          f"  - forecast_inputs: {{m: {M}}}\n")
 
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lora_rt")
-    src = save_tiny(tmp / "src", "llama")
-    recipe = write_recipe(tmp / "r.yaml", src, "tiny-lora", GRAPHS, PASSES)
-    return compile_recipe(recipe).out_dir
+@pytest.fixture
+def artifact(lora_artifact):
+    return lora_artifact[0]
 
 
 def _adapter(model: StepModel, seed: int, rank: int = 4) -> Adapter:
