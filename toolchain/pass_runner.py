@@ -10,6 +10,7 @@ the pass, the family and the worst output. Rows are plain JSON (manifest.json "p
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,16 +43,23 @@ def ort_run(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str, np.nda
 
 
 def _stats(gs: GraphSet) -> tuple[dict[str, int], int]:
+    """Op counts over every graph, and weight bytes as the artifact stores them: identical
+    bytes once (weights shared between stages, widths, or a tied embedding and its lm_head)."""
     ops: Counter[str] = Counter()
-    seen: set[int] = set()
-    nbytes = 0
+    tensors: dict[int, Any] = {}
     for e in gs.entries.values():
         ops.update(n.op_type for n in e.model.graph)
         for v in e.model.graph.initializers.values():
-            t = v.const_value
-            if t is not None and id(t) not in seen:  # weights shared between stages count once
-                seen.add(id(t))
-                nbytes += t.nbytes
+            if v.const_value is not None:
+                tensors[id(v.const_value)] = v.const_value
+    by_size: dict[int, list[Any]] = {}
+    for t in tensors.values():
+        by_size.setdefault(t.nbytes, []).append(t)
+    nbytes = 0
+    for size, group in by_size.items():
+        # only tensors of equal size can be equal: hash just those
+        distinct = {hashlib.sha1(t.tobytes()).digest() for t in group} if len(group) > 1 else group
+        nbytes += size * len(distinct)
     return dict(sorted(ops.items())), nbytes
 
 

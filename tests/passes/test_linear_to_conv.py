@@ -81,3 +81,11 @@ def test_keep_layout_none_wraps_each_conv():
     model = gs.entries["w4"].model
     down = next(n for n in model.graph if n.op_type == "Conv" and "down_proj" in n.name)
     assert down.inputs[0].producer().op_type == "Transpose"
+
+
+def test_weight_bytes_unchanged_even_for_tied_lm_head(conv_sets):
+    # gemma3's lm_head is Transpose(embedding): its conv weight has the embedding's bytes, which
+    # the artifact stores once, and the per-pass row reports bytes the same way
+    _, rows = conv_sets("gemma3", ["fold_constants", "linear_to_conv"])
+    grew = rows[-1]["weight_bytes_after"] - rows[-1]["weight_bytes_before"]
+    assert 0 <= grew < 1024  # only the new int64 reshape targets
