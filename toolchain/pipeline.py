@@ -129,6 +129,11 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
         families[family] = figures
         check_tolerance(family, figures, recipe.tolerance.max_abs)
     result: dict[str, Any] = {"tolerance": recipe.tolerance.max_abs, "families": families}
+    if loaded.diffusion:  # a diffusion LM: block decoding through the graphs vs torch, not AR greedy
+        from toolchain.diffusion.verify_decode import decode_check
+
+        with timer.stage("verify diffusion decoding vs torch"):
+            result["diffusion_decode"] = decode_check(folder, loaded.model, loaded.tokenizer(recipe.verify.prompt).input_ids)
     n = recipe.verify.greedy_tokens
     if n:
         with timer.stage(f"verify greedy {n} tokens vs generate"):
