@@ -357,6 +357,13 @@ class MhaToSha(ir.passes.InPlacePass):
         super().__init__()
         self.config = config or self.Config()
 
+    def requires(self, model: ir.Model) -> None:
+        for node in model.graph:
+            if node.op_type == "Conv" and _PROJ.search(scope(node)):
+                raise ir.passes.PreconditionError(
+                    f"{node.name} is already a Conv: list mha_to_sha before linear_to_conv in the recipe"
+                )
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         rw = _Rewriter(model)
         seeded = False

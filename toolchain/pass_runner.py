@@ -135,7 +135,9 @@ def run_passes(
         except MobcError:
             raise
         except Exception as exc:
-            raise PassError(f"pass {name!r} failed: {type(exc).__name__}: {exc}") from exc
+            cause = exc.__cause__  # onnx_ir wraps requires/ensures failures; their cause says why
+            why = f"{exc}: {type(cause).__name__}: {cause}" if cause else f"{type(exc).__name__}: {exc}"
+            raise PassError(f"pass {name!r} failed: {why}") from exc
         seconds = time.perf_counter() - t0
         after = _run_all(graphset, feeds)
         diffs = _compare(name, before, after, tolerance)

@@ -75,3 +75,9 @@ def test_bad_specs_are_rejected_before_running():
         run_passes(gs, [{"fold_constants": {"size": 1}}], 1e-3, feeds)
     with pytest.raises(PassError, match="no verification inputs for graph family 'w4'"):
         run_passes(gs, ["fold_constants"], 1e-3, {})
+
+
+def test_pass_order_mistake_is_explained():
+    gs, feeds = graphset_for("qwen2", (4,))
+    with pytest.raises(PassError, match="list mha_to_sha before linear_to_conv"):
+        run_passes(gs, ["linear_to_conv", "mha_to_sha"], 1e-3, feeds)
