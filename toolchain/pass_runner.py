@@ -122,6 +122,10 @@ def run_passes(
     """Applies `specs` (recipe pass list) in order; returns the new GraphSet and one row per pass."""
     passes = [build(spec, i) for i, spec in enumerate(specs)]
     rows: list[dict] = []
+    for entry in graphset.entries.values():
+        # weights mapped from an export cache file are read into memory once: passes rewrite
+        # them, and onnxruntime sessions built from bytes cannot follow external-data paths
+        ir.external_data.load_to_model(entry.model)
     before = _run_all(graphset, feeds)
     for p in passes:
         name = p.pass_name
