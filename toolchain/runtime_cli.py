@@ -52,6 +52,9 @@ def run(
     gamma: int = typer.Option(4, "--gamma", help="draft tokens per verify call (chain)"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
     seed: int = typer.Option(0, "--seed"),
+    adapter: list[str] = typer.Option([], "--adapter", help="packed LoRA adapter name or .npz (repeatable: "
+                                      "one per style with --policy ctg)"),
+    forecast: Path | None = typer.Option(None, "--forecast", help="ds2d forecast embeddings (default: ARTIFACT/forecast.npz)"),
     provider: str = _PROVIDER,
     threads: int | None = _THREADS,
     ep_option: list[str] = _EP_OPT,
@@ -60,7 +63,12 @@ def run(
     from toolchain.runtime.policies import Sampler, make_policy
 
     target, drafter = _models(artifact, draft, provider, threads, ep_option)
-    pol = make_policy(policy, target, drafter, gamma=gamma)
+    options = {}
+    if adapter or policy in ("ctg", "ds2d"):  # issue 7: adapters bound per request, ctg styles, ds2d forecasts
+        from toolchain.lora_cli import policy_options
+
+        options = policy_options(target, policy, adapter, forecast)
+    pol = make_policy(policy, target, drafter, gamma=gamma, **options)
     tok = target.tokenizer
     if chat:
         if not target.manifest["model"].get("has_chat_template"):
@@ -69,6 +77,10 @@ def run(
                                       tokenize=True, return_dict=False)
     else:
         ids = tok(prompt).input_ids
+        if policy == "ctg":  # K styles: printed one after another, not streamed
+            from toolchain.lora_cli import print_styles
+
+            return print_styles(pol, ids, prompt, max_new_tokens, Sampler(temperature, seed))
         sys.stdout.write(prompt)
     out: list[int] = []
     shown = ""
