@@ -3,8 +3,10 @@
 Rewrite rule (matched on structure, per norm; the weight Mul after it is untouched):
     Pow(x, 2) -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> r;   Mul(x, r)
   becomes
-    xs = x·s;   Mul(xs, xs) -> ReduceMean -> Add(eps·s²) -> Sqrt -> Reciprocal -> r';   Mul(xs, r')
-  and xs·r' = x / sqrt(mean(x²) + eps) exactly in real arithmetic, for any s > 0.
+    xs = x·s;   Mul(xs, xs) -> ReduceMean -> Add(eps·s²) -> Sqrt -> Reciprocal -> r';   Mul(x, r'·s)
+  and x·r'·s = x / sqrt(mean(x²) + eps) exactly in real arithmetic, for any s > 0. The output
+  multiplies the unscaled x by the per-row scalar r'·s = 1/rms (normal fp16 range): multiplying
+  xs instead made the HTP lose the small entries of rows with one massive entry (see below).
   scale = "dynamic" (default): s = 1 / max(max|x| over the norm axis, 2^-14), per row, so xs lies
     in [-1, 1] and its largest square is 1: no fp16 overflow *and* no underflow, at any magnitude
     (Abs, ReduceMax, Max, Div nodes; eps' = (sqrt(eps)·s)²). CPU diff ~1e-6 (one rounding in Div).
@@ -22,8 +24,8 @@ Why, measured with onnxruntime-qnn 2.7 (HTP emulation, soc 57 / v75, fp16 mode):
 
 Requires: RMSNorms as the torch dynamo exporter writes HF RMSNorm modules (above), float inputs.
 Ensures: no Pow(·, 2) feeds a ReduceMean; every rewritten norm squares one value with
-  '<scope>/Mul_square', and a scaled norm squares the output of '<scope>/Div_scale' (dynamic) or
-  '<scope>/Mul_scale' (constant s).
+  '<scope>/Mul_square'; a scaled norm squares the output of '<scope>/Div_scale' (dynamic) or
+  '<scope>/Mul_scale' (constant s) and outputs x·(1/rms) through '<scope>/Div_rms' / '/Mul_rms'.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def match_rmsnorm(pow_node: ir.Node) -> dict | None:
     # every use of the rsqrt must be Mul(x, r) with the same x, or the rescaling would leak
     if not muls or any(m.op_type != "Mul" or x not in m.inputs for m in muls):
         return None
-    return {"x": x, "pow": pow_node, "mean": mean, "add": add, "eps_index": eps_index, "muls": muls}
+    return {"x": x, "pow": pow_node, "mean": mean, "add": add, "eps_index": eps_index, "recip": recip,
+            "muls": muls}
 
 
 @register("scale_rmsnorm")
@@ -108,30 +111,40 @@ class ScaleRmsNorm(ir.passes.InPlacePass):
         where = scope(pow_node) or "rmsnorm"
         unscaled = any(part in where for part in self.config.unscaled)
         dtype = x.dtype or ir.DataType.FLOAT
+        np_dtype = dtype.numpy()
         shape = list(x.shape) if x.shape is not None else None
-        xs, new_eps = x, None
-        if self.config.scale == "dynamic" and not unscaled:
-            xs, new_eps = self._dynamic(graph, m, where, dtype, shape)
-        elif self.config.scale != "dynamic" and self.config.scale != 1.0 and not unscaled:
-            s = float(self.config.scale)
-            np_dtype = dtype.numpy()
-            s_value = add_initializer(graph, f"rmsnorm.scale_{s:g}", np.array(s, dtype=np_dtype))
-            xs = new_node(graph, pow_node, "Mul", [x, s_value], f"{where}/Mul_scale", shape=shape,
-                          dtype=dtype).outputs[0]
-            eps = const_array(m["add"].inputs[m["eps_index"]]).astype(np.float64) * s * s
-            new_eps = add_initializer(graph, "rmsnorm.eps_scaled", eps.astype(np_dtype))
-        if new_eps is not None:
+        xs = x
+        if not unscaled and self.config.scale != 1.0:
+            if self.config.scale == "dynamic":
+                xs, new_eps, per_row = self._dynamic(graph, m, where, dtype, shape)
+            else:
+                sc = float(self.config.scale)
+                per_row = add_initializer(graph, f"rmsnorm.scale_{sc:g}", np.array(sc, dtype=np_dtype))
+                xs = new_node(graph, pow_node, "Mul", [x, per_row], f"{where}/Mul_scale", shape=shape,
+                              dtype=dtype).outputs[0]
+                eps = const_array(m["add"].inputs[m["eps_index"]]).astype(np.float64) * sc * sc
+                new_eps = add_initializer(graph, "rmsnorm.eps_scaled", eps.astype(np_dtype))
             m["add"].replace_input_with(m["eps_index"], new_eps)
+            # r' = 1/rms(x·s), so 1/rms(x) = r'·s: a per-row scalar in fp16's normal range. The
+            # output multiplies the *unscaled* x by it, so x·s (subnormal for small entries next
+            # to a massive one) never reaches the output.
+            recip: ir.Node = m["recip"]
+            r = recip.outputs[0]
+            op = "Div" if self.config.scale == "dynamic" else "Mul"
+            inv = new_node(graph, None, op, [r, per_row], f"{where}/{op}_rms", shape=list(r.shape or []) or None,
+                           dtype=dtype, after=recip).outputs[0]
             for mul in m["muls"]:
                 for i, v in enumerate(mul.inputs):
-                    if v is x:
-                        mul.replace_input_with(i, xs)
+                    if v is r:
+                        mul.replace_input_with(i, inv)
         square = new_node(graph, pow_node, "Mul", [xs, xs], f"{where}/Mul_square", shape=shape, dtype=dtype)
         ir.convenience.replace_all_uses_with(pow_node.outputs[0], square.outputs[0])
         graph.remove(pow_node, safe=True)
 
     def _dynamic(self, graph: ir.Graph, m: dict, where: str, dtype: ir.DataType, shape: list | None):
         """xs = x / mx with mx = max(max|x| over the norm axes, 2^-14); eps' = (sqrt(eps) / mx)².
+
+        Returns (xs, eps', mx); 1/rms(x) = r' / mx.
 
         x/mx lies in [-1, 1] and its largest square is 1, so mean(xs²) >= 1/width: neither overflow
         nor underflow, whatever the magnitude of x. The floor keeps an all-zero row finite and
@@ -152,18 +165,20 @@ class ScaleRmsNorm(ir.passes.InPlacePass):
                             dtype=dtype).outputs[0]
 
         floor = add_initializer(graph, "rmsnorm.max_floor", np.array(2.0**-14, dtype=np_dtype))
+        ceil = add_initializer(graph, "rmsnorm.max_ceil", np.array(2.0**14, dtype=np_dtype))
         eps = float(const_array(m["add"].inputs[m["eps_index"]]).reshape(-1)[0])
         root = add_initializer(graph, "rmsnorm.sqrt_eps", np.array(math.sqrt(eps), dtype=np_dtype))
         absx = node("Abs", [x], "Abs_scale", shape)
         red_inputs = [absx] + list(mean.inputs[1:2])
         mx = new_node(graph, pow_node, "ReduceMax", red_inputs, f"{where}/ReduceMax_scale",
                       attributes={"keepdims": keep}, shape=red_shape, dtype=dtype).outputs[0]
-        mx = node("Max", [mx, floor], "Max_scale", red_shape)
+        mx = node("Clip", [mx, floor, ceil], "Clip_scale", red_shape)
         xs = node("Div", [x, mx], "Div_scale", shape)
         e = node("Div", [root, mx], "Div_eps", red_shape)
-        return xs, node("Mul", [e, e], "Mul_eps", red_shape)
+        return xs, node("Mul", [e, e], "Mul_eps", red_shape), mx
 
     def ensures(self, model: ir.Model) -> None:
+        rms_scopes = {scope(n) for n in model.graph if n.name and ("/Div_rms" in n.name or "/Mul_rms" in n.name)}
         for node in model.graph:
             if node.op_type == "Pow" and _scalar(node.inputs[1]) == 2.0:
                 uses = [u.node.op_type for u in node.outputs[0].uses()]
@@ -178,3 +193,4 @@ class ScaleRmsNorm(ir.passes.InPlacePass):
                     assert producer is not None and want in (producer.name or ""), (
                         f"{node.name} squares an unscaled value"
                     )
+                    assert where in rms_scopes, f"norm {where} does not output x·(1/rms)"

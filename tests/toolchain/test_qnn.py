@@ -48,6 +48,28 @@ def test_tiny_step_graph_builds_and_matches_cpu(tmp_path):
 
 @pytest.mark.qnn
 @needs_qnn
+def test_massive_activation_row_survives_fp16(tmp_path):
+    """A row with one entry of 2e4 next to O(0.01) entries (SmolLM2's attention-sink token).
+
+    Regression: x / max|x| with max|x| > 2^14 divides through an fp16-subnormal reciprocal that
+    the HTP flushes to zero, which zeroed the whole row's norm (and every later token's attention).
+    """
+    layout, model = tiny("llama")
+    feeds = feeds_for(layout)
+    emb = model.graph.initializers["embed_tokens.weight"]
+    table = emb.const_value.numpy().copy()
+    table[int(feeds["input_ids"][0, 0]), 5] = 2.0e4
+    emb.const_value = ir.tensor(table, name=emb.name)
+    build("scale_rmsnorm")(model)
+    src = _save(model, tmp_path, "sink")
+    binary = qnn.build_context_binary(src, tmp_path / "out")
+    cmp = qnn.run_and_compare(src, binary.model, feeds)
+    for name in ("new_key_0", "new_value_0", "new_key_1", "new_value_1"):
+        assert cmp.max_abs[name] < 0.02, (name, cmp.max_abs[name])
+
+
+@pytest.mark.qnn
+@needs_qnn
 def test_raw_export_fails_to_finalize_and_names_the_fix(tmp_path):
     _, model = tiny("llama")
     src = _save(model, tmp_path, "raw")
