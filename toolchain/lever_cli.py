@@ -28,7 +28,8 @@ def _print(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -> No
     for head, _, _ in cols:
         t.add_column(head, justify="left" if head == "policy" else "right")
     for r in rows:
-        t.add_row(*[_fmt(r.get(key), spec) + ("x" if spec.endswith("x") else "") for _, key, spec in cols])
+        t.add_row(*[_fmt(r.get(key), spec.rstrip("x")) + ("x" if spec.endswith("x") and r.get(key) is not None else "")
+                    for _, key, spec in cols])
     console.print(t)
 
 
@@ -88,10 +89,11 @@ def bench_lever(
         labels = {"lever+full": "gain/cost trees only", "lever+prune+full": "+ predictor pruning",
                   "lever+prune+path": "+ path-only logits", "lever+path": "+ path-only logits (no predictor)"}
         for r in rows:
-            r["policy"] = labels.get(r["policy"], r["policy"])
+            r["variant"], r["policy"] = r["policy"], labels.get(r["policy"], r["policy"])
         res["ablation"] = rows
         _print("ablation", rows, [*cols[:7], ("lm_head GFLOP saved", "lm_head_gflops_saved", ".2f"),
-                                  ("pruned nodes", "pruned_nodes", ""), ("== ar", "identical_to_ar", "d")])
+                                  ("pruned nodes", "pruned_nodes", ""), ("verify GFLOP saved", "verify_gflops_saved", ".1f"),
+                                  ("== ar", "identical_to_ar", "d")])
     budgets = [float(x) for x in sweep.split(",") if x.strip()]
     if budgets and "lever" in names:
         rows = b.sweep(budgets, lever_name)

@@ -159,8 +159,8 @@ class Ahasd(Policy):
                     pht_of = {p: i for p, i in pht_of.items() if p < start}
                 continue
             feed = [seq[p] for p in range(d.length, pos + 1)]
-            if not d.room(len(feed)):
-                return
+            if d.cache.free(max(d.widths.values())) < len(feed):
+                return  # out of draft context: the verifier finishes alone (plain target steps)
             t0 = time.perf_counter()
             st.draft_deps.append(fb_seen)
             logits = d.feed(feed)
@@ -264,9 +264,21 @@ class Ahasd(Policy):
         self._end_prefill()
         stop = threading.Event()
         pos = len(prompt)  # position of `first`
-        threads = [threading.Thread(target=self._drafter, args=(pos, first, sampler, stop), daemon=True,
+        errors: list[BaseException] = []
+
+        def guard(fn, *args):
+            def body():
+                try:
+                    fn(*args)
+                except BaseException as e:  # surfaced in the caller's thread below
+                    errors.append(e)
+                    stop.set()
+                    self.out.put(None)
+            return body
+
+        threads = [threading.Thread(target=guard(self._drafter, pos, first, sampler, stop), daemon=True,
                                     name="ahasd-draft"),
-                   threading.Thread(target=self._verifier, args=(first, pos, max_new_tokens - 1, sampler, stop),
+                   threading.Thread(target=guard(self._verifier, first, pos, max_new_tokens - 1, sampler, stop),
                                     daemon=True, name="ahasd-verify")]
         n = 1
         self.stats.tokens = 1
@@ -293,6 +305,8 @@ class Ahasd(Policy):
                     th.join(timeout=30)
             self.alive_threads = sum(th.is_alive() for th in threads)
             self._finish()
+            if errors:
+                raise errors[0]
 
     def phone_seconds(self, t_price, d_price) -> float:
         """Replay the run's dependency order (which feedback each draft waited for, which drafts

@@ -193,6 +193,7 @@ VARIANTS = {
     "path": {"logits": "path"},  # force logits on the accepted path only
     "full": {"logits": "full"},  # force one lm_head call over every tree row
     "nobatch": {"batch": False},  # one frontier node per draft call
+    "cpu": {"cost": "cpu"},  # decide with this machine's measured call times instead of the phone's
 }
 
 

@@ -1,0 +1,123 @@
+"""ahasd (threads shut down cleanly, lossless, entropy-history table) and predictor pruning
+(never drops the backbone, lossless, trains and reports precision/recall) on tiny artifacts."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tests.tiny import tiny_tokenizer
+from toolchain.runtime.model import StepModel
+from toolchain.runtime.policies import Sampler, make_policy
+from toolchain.runtime.policies.ahasd import EntropyHistory
+from toolchain.runtime.policies.lever import Lever, LeverConfig
+from toolchain.runtime.predictor import PredictorSpec, backbone, keep_set, save_predictor
+from toolchain.runtime.tree import Tree
+
+PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n"]
+
+
+def run(policy, ids, n, sampler=None):
+    return [t for chunk in policy.generate(ids, n, sampler or Sampler()) for t in chunk]
+
+
+def ahasd_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ahasd-")]
+
+
+@pytest.mark.parametrize("draft_kind", ["other", "self"])
+def test_ahasd_is_lossless_and_joins_its_threads(tree_artifacts, draft_kind):
+    target_dir, draft_dir = tree_artifacts
+    target = StepModel(target_dir)
+    draft = StepModel(target_dir if draft_kind == "self" else draft_dir)
+    ar = make_policy("ar", target)
+    pol = make_policy("ahasd", target, draft, gamma=3)
+    for prompt in PROMPTS:
+        ids = tiny_tokenizer()(prompt).input_ids
+        ref = run(ar, ids, 24)
+        assert run(pol, ids, 24) == ref, prompt
+        assert not ahasd_threads() and pol.alive_threads == 0
+        st = pol.ahasd
+        assert st.draft_busy and st.verify_busy and 0.0 <= st.overlap <= 1.0
+        if draft_kind == "self":
+            assert sum(pol.stats.accepted) > 0
+
+
+def test_ahasd_stops_cleanly_when_the_consumer_stops_early(tree_artifacts):
+    target_dir, draft_dir = tree_artifacts
+    pol = make_policy("ahasd", StepModel(target_dir), StepModel(draft_dir), gamma=3)
+    gen = pol.generate(tiny_tokenizer()(PROMPTS[0]).input_ids, 40, Sampler())
+    next(gen)
+    next(gen)
+    gen.close()  # the consumer walks away mid-generation
+    assert not ahasd_threads()
+
+
+def test_entropy_history_table_learns_to_pause():
+    pht = EntropyHistory()
+    idx = pht.index(2.0, 3.5, 3)
+    assert pht.predict(idx)  # weakly "continue" before any outcome
+    pht.update(idx, False)
+    assert not pht.predict(idx)
+    pht.update(idx, True)
+    pht.update(idx, True)
+    assert pht.predict(idx)
+    for _ in range(10):
+        pht.update(idx, True)
+    assert pht.table[idx] == 3  # saturating
+
+
+def test_keep_set_never_drops_the_backbone():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        t = Tree.root(1)
+        for _ in range(int(rng.integers(2, 20))):
+            t.add(int(rng.integers(0, len(t))), int(rng.integers(3, 99)), float(rng.random()), 0.5)
+        scores = rng.random(len(t))
+        bb = backbone(t)
+        for thr in (0.0, 0.5, 1.01):
+            keep = keep_set(t, scores, thr)
+            assert set(bb) <= set(keep)
+            assert all(t.parents[i] in keep for i in keep if i)  # closed under parents
+        assert keep_set(t, scores, 1.01) == sorted(bb)  # the strictest predictor keeps exactly the backbone
+
+
+def test_pruned_lever_is_lossless_and_uses_narrower_tails(tree_artifacts, tmp_path):
+    from tests.toolchain.runtime.test_lever import FixedPrices
+    from toolchain.runtime.predictor import PrunedVerifier, load_predictor
+
+    target_dir, draft_dir = tree_artifacts
+    target, draft = StepModel(target_dir), StepModel(draft_dir)
+    # a predictor that rejects every non-backbone branch: the tail runs at the narrowest width
+    spec = PredictorSpec(layer=1, weights=[0.0] * 5, bias=-10.0, threshold=0.5)
+    path = save_predictor(spec, tmp_path / "p.json")
+    verifier = PrunedVerifier(target, load_predictor(path))
+    prices = (FixedPrices(1.0), FixedPrices(0.01))
+    lever = Lever(target, draft, LeverConfig(top_k=3), prices=prices, verifier=verifier)
+    ar = make_policy("ar", target)
+    keys: set[str] = set()
+    for prompt in PROMPTS:
+        ids = tiny_tokenizer()(prompt).input_ids
+        out = run(lever, ids, 24)
+        keys |= set(lever.stats.target_calls)
+        assert out == run(ar, ids, 24), prompt
+    s = verifier.stats
+    assert s["pruned_calls"] > 0 and s["kept"] < s["nodes"] and s["tail_rows_saved"] > 0
+    # layers after the cut ran at a narrower compiled width than the layers before it
+    heads = {k.split(":")[1] for k in keys if k.startswith("head:")}
+    tails = {k.split(":")[1] for k in keys if k.startswith("tail:")}
+    assert min(target.widths[t] for t in tails) < max(target.widths[h] for h in heads)
+
+
+def test_train_predictor_reports_precision_and_recall(tree_artifacts):
+    from toolchain.runtime.predictor_train import train_predictor
+
+    target_dir, _ = tree_artifacts
+    target = StepModel(target_dir)
+    draft = StepModel(target_dir)  # self-draft: plenty of positive labels
+    spec = train_predictor(target, draft, PROMPTS, seconds=60, max_new_tokens=16, log=lambda m: None)
+    m = spec.metrics["test"]
+    assert spec.layer == 1 and 0.0 <= m["precision"] <= 1.0 and m["recall"] >= 0.95 - 1e-9
+    assert len(spec.weights) == 5
