@@ -96,20 +96,18 @@ def new_node(
     return node
 
 
-_NAMES: dict[int, tuple[set[str], set[str]]] = {}
-
-
 def _names(graph: ir.Graph) -> tuple[set[str], set[str]]:
-    """(value names, node names) in use, rebuilt after a pass marks them stale."""
-    if id(graph) not in _NAMES or getattr(graph, "_mobc_names_stale", True):
+    """(value names, node names) in use, kept on the graph and rebuilt after a pass marks them
+    stale (passes that add nodes through onnxscript or onnx_ir directly call mark_names_stale)."""
+    if getattr(graph, "_mobc_names_stale", True) or not hasattr(graph, "_mobc_names"):
         values = {v.name for v in graph.inputs} | set(graph.initializers)
         nodes = set()
         for n in graph:
             values.update(o.name for o in n.outputs if o.name)
             nodes.add(n.name)
-        _NAMES[id(graph)] = (values, nodes)
+        graph._mobc_names = (values, nodes)  # type: ignore[attr-defined]
         graph._mobc_names_stale = False  # type: ignore[attr-defined]
-    return _NAMES[id(graph)]
+    return graph._mobc_names  # type: ignore[attr-defined]
 
 
 def _unique(used: set[str], base: str, sep: str) -> str:

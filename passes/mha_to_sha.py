@@ -44,7 +44,9 @@ from passes._graph import (
 )
 from passes.registry import PassConfig, register
 
-_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Sqrt", "Reciprocal", "Tanh", "Sigmoid", "Exp",
+# ops a head passes through on its own, as long as the op does not reduce, slice or concat along
+# a head axis (checked per node)
+_HEADWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Sqrt", "Reciprocal", "Tanh", "Sigmoid", "Exp",
                 "Cast", "Erf", "Relu", "Gelu", "Where", "Max", "Min", "Softmax", "ReduceMean", "ReduceSum",
                 "ReduceMax", "Slice", "Concat", "Transpose", "Reshape", "MatMul"}  # fmt: skip
 _PROJ = re.compile(r"\.self_attn\.(q|k|v)_proj$")
@@ -120,7 +122,7 @@ class _Rewriter:
     def visit(self, node: ir.Node) -> None:
         if not any(v in self.heads for v in node.inputs if v is not None):
             return
-        if node.op_type not in _ELEMENTWISE or len(node.outputs) != 1:
+        if node.op_type not in _HEADWISE or len(node.outputs) != 1:
             return
         try:
             plan = self._plan(node)

@@ -182,3 +182,15 @@ def _downstream_of_tokens(model: ir.Model) -> set[ir.Node]:
         if any(v is not None and (v in roots or v.producer() in tainted) for v in node.inputs):
             tainted.add(node)
     return tainted
+
+
+@register("split_parts")
+class SplitParts(SplitLayers):
+    """split_parts: split_layers by a weight budget only (DESIGN's name for the HTP size cut)."""
+
+    class Config(PassConfig):
+        max_part_bytes: float = 1.5e9  # HTP's per-graph limit is ~2 GB; keep headroom
+
+    def cuts(self, model: ir.Model, n_layers: int) -> list[int]:
+        full = SplitLayers.Config(max_part_bytes=self.config.max_part_bytes)
+        return SplitLayers(full).cuts(model, n_layers)

@@ -72,6 +72,13 @@ def test_split_parts_by_budget_tiles_layers():
     assert ranges == [[0, 1], [1, 2], [2, 3]]
 
 
+def test_split_parts_alias_uses_the_budget():
+    gs, feeds = graphset_for("gemma3", (4,))
+    gs, rows = run_passes(gs, [{"split_parts": {"max_part_bytes": 1.0}}], 1e-5, feeds)
+    assert [e.meta["layers"] for e in gs.chain("w4")] == [[0, 1], [1, 2], [2, 3]]
+    assert rows[0]["pass"] == "split_parts"
+
+
 def test_split_layers_rejects_bad_boundaries():
     gs, feeds = graphset_for("llama", (4,))
     with pytest.raises(PassError, match="outside 1..1"):
