@@ -197,8 +197,9 @@ def train_draft(
     cfg = DistillConfig(seconds=minutes * 60, seq_len=seq_len, batch=batch, lr=lr)
     report = run_train(recipe, out, layers, cfg, log=lambda m: err.print(f"[dim]{m}[/]"))
     console.print(f"[bold green]draft[/] {out}: {report['params'] / 1e6:.1f}M params, layers {report['config']['layers']}, "
-                  f"top-1 agreement {report['agreement_before']:.3f} -> {report['agreement_after']:.3f} after "
-                  f"{report['steps']} steps ({report['seconds']:.0f} s distillation, {report['total_seconds']:.0f} s total)")
+                  f"held-out top-1 agreement with the target: lens {report['agreement_lens']:.3f}, distilled "
+                  f"{report['agreement_distilled']:.3f} after {report['steps']} steps (kept {report['kept']}; "
+                  f"{report['loop_seconds']:.0f} s teacher pass + distillation, {report['total_seconds']:.0f} s total)")
     if recipe_out:
         target = load_recipe(recipe)
         graphs = "\n".join(f"  {n}: {{width: {g.width}, context: {g.context}}}" for n, g in target.graphs.items()

@@ -46,6 +46,13 @@ def load_prompts(spec: str) -> list[str]:
     raise BenchError(f"--prompts {spec!r}: use humaneval:N or file:PATH")
 
 
+def warmup(model: StepModel) -> None:
+    """Open every session and run each graph once, so no policy pays session creation in its timing."""
+    for fam in model.widths:
+        model.forward([0], family=fam)
+    model.reset()
+
+
 def family_costs(model: StepModel) -> dict[str, GraphCost]:
     """GraphCost of one call of each family (its stages summed)."""
     from toolchain.runtime.cost_onnx import graph_cost
@@ -118,6 +125,9 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
     if "ar" not in policies:
         policies = ["ar", *policies]  # the baseline every ratio is read against
     pol = {name: make_policy(name, target, draft, gamma=gamma) for name in policies}
+    for m in (target, draft):
+        if m is not None:
+            warmup(m)
     predictors = {"target": Predictor.build(target, device, target_dram)}
     if draft is not None:
         predictors["draft"] = Predictor.build(draft, device, draft_dram)

@@ -51,11 +51,14 @@ def test_lens_distill_fold_roundtrip(tmp_path):
     train, held = ids[:4096], ids[4096:]
     cfg = DistillConfig(seq_len=64, batch=4, positions=16, lr=1e-3)
     w_train, w_held = _windows(train, 64), _windows(held, 64)
-    s_train = teacher_states(teacher, w_train, float("inf"), 4, log=lambda m: None)
-    s_held = teacher_states(teacher, w_held, float("inf"), 4, log=lambda m: None)
+    s_train, feats = teacher_states(teacher, w_train, float("inf"), 4, log=lambda m: None, prefix=1)
+    s_held, _ = teacher_states(teacher, w_held, float("inf"), 4, log=lambda m: None)
     student = derive_draft(teacher, [0])
     student.model.norm.weight.data.fill_(1.0)
-    readout = _Readout(student, fit_lens(student, w_train, s_train, 1e-3, 4))
+    lens = fit_lens(student, w_train, s_train, 1e-3, 4)
+    # the teacher pass's features are the draft's own lens inputs: same fit without re-running the draft
+    torch.testing.assert_close(fit_lens(student, w_train, s_train, 1e-3, 4, feats), lens, rtol=1e-3, atol=1e-4)
+    readout = _Readout(student, lens)
     lens = agreement(readout, w_held, s_held)
     stats = distill(readout, w_train, s_train, cfg, seconds=1.0, log=lambda m: None)
     assert stats["steps"] > 0 and np.isfinite(stats["kl_last"])

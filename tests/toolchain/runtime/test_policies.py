@@ -80,3 +80,29 @@ def test_context_exhaustion_stops_cleanly(artifacts):
     ar_out = run(make_policy("ar", target), ids, 100)
     chain_out = run(make_policy("chain", target, draft), ids, 100)
     assert chain_out == ar_out and len(ar_out) < 100
+
+
+def test_cli_run_and_bench_decode(artifacts, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from toolchain.cli import app
+
+    target_dir, draft_dir = artifacts
+    runner = CliRunner()
+    res = runner.invoke(app, ["run", str(target_dir), "--prompt", PROMPTS[0], "--policy", "chain",
+                              "--draft", str(draft_dir), "--max-new-tokens", "12"])
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith(PROMPTS[0]) and len(res.output) > len(PROMPTS[0])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n---\n".join(PROMPTS))
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "decode", str(target_dir), "--draft", str(draft_dir), "--prompts",
+                              f"file:{prompts}", "--max-new-tokens", "16", "--no-llamacpp", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert rows["chain"]["identical_to_ar"] == data["prompts"] == 3
+    assert rows["ar"]["target_calls_per_token"] == pytest.approx(1.0, abs=0.1)
+    assert rows["chain"]["phone_ms_per_token"] > 0 and rows["ar"]["speedup_phone"] == pytest.approx(1.0)
