@@ -89,3 +89,11 @@ def test_weight_bytes_unchanged_even_for_tied_lm_head(conv_sets):
     _, rows = conv_sets("gemma3", ["fold_constants", "linear_to_conv"])
     grew = rows[-1]["weight_bytes_after"] - rows[-1]["weight_bytes_before"]
     assert 0 <= grew < 1024  # only the new int64 reshape targets
+
+
+def test_widths_get_identical_conv_weights(conv_sets):
+    gs, _ = conv_sets("qwen2", ["fold_constants", "mha_to_sha", "linear_to_conv"])
+    a, b = gs.entries["decode"].model.graph, gs.entries["w4"].model.graph
+    wa = {n.inputs[1].name: n.inputs[1].const_value.tobytes() for n in a if n.op_type == "Conv"}
+    wb = {n.inputs[1].name: n.inputs[1].const_value.tobytes() for n in b if n.op_type == "Conv"}
+    assert wa == wb and len(wa) == 2 * (4 + 2 + 2 + 1 + 3) + 1  # per layer: q/k/v heads, o, mlp; lm_head
