@@ -142,6 +142,15 @@ def _check_config(cfg: dict[str, Any], folder: Path) -> None:
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"{folder}: the adapter trains biases (bias={cfg['bias']!r}); lora_inputs binds only "
                            "A and B; train with bias='none'")
+    if cfg.get("lora_bias"):
+        raise AdapterError(f"{folder}: lora_bias=True adds a bias to lora_B, which the graph's inputs do not carry; "
+                           "train with lora_bias=False")
+    if cfg.get("trainable_token_indices") or cfg.get("target_parameters") or cfg.get("layer_replication"):
+        raise AdapterError(f"{folder}: the adapter also trains token embeddings, raw parameters or replicated "
+                           "layers; only LoRA on linear projections becomes graph inputs")
+    if cfg.get("alora_invocation_tokens"):
+        raise AdapterError(f"{folder}: activated LoRA (alora_invocation_tokens) switches on mid-sequence; "
+                           "lora_rows could express it per row, but mobc's runtime does not yet")
     if cfg.get("modules_to_save"):
         raise AdapterError(f"{folder}: modules_to_save {cfg['modules_to_save']} replaces whole modules, which a "
                            "frozen graph cannot take as inputs; train without modules_to_save")

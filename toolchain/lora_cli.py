@@ -147,14 +147,16 @@ def bench_ctg_cmd(
     styles = [pool[i % len(pool)] for i in range(k)]
     res = bench_ctg(model, styles, load_prompts(prompts), max_new_tokens, log=_log)
     table = Table(title=f"ctg {res['artifact']}: K={k} styles ({', '.join(res['styles'])}) on {res['prompts']} prompts")
-    for col in ("mode", "tokens", "decode tok/s", "calls", "ratio (decode)", "ratio (end to end)", "== sequential"):
+    for col in ("mode", "tokens", "decode tok/s", "calls", "ratio (decode)", "ratio (end to end)", "phone ms/token",
+                "== sequential"):
         table.add_column(col, justify="right" if col != "mode" else "left")
     rows = res["rows"]
     table.add_row(f"{k} sequential", str(sum(r["seq_tokens"] for r in rows)), f"{res['sequential_tokens_per_s']:.1f}",
-                  "—", "1.00x", "1.00x", "—")
+                  str(sum(r["seq_tokens"] for r in rows)), "1.00x", "1.00x",
+                  f"{res['phone_ms_per_token_sequential']:.2f}", "—")
     table.add_row(f"ctg K={k}", str(sum(r["ctg_tokens"] for r in rows)), f"{res['ctg_tokens_per_s']:.1f}",
                   str(sum(r["ctg_calls"] for r in rows)), f"{res['ratio_decode']:.2f}x", f"{res['ratio_end_to_end']:.2f}x",
-                  f"{res['identical_styles']}/{res['total_styles']}")
+                  f"{res['phone_ms_per_token_ctg']:.2f}", f"{res['identical_styles']}/{res['total_styles']}")
     console.print(table)
     if json_out:
         json_out.write_text(json.dumps(res, indent=1))
@@ -179,11 +181,12 @@ def bench_ds2d_cmd(
     model = StepModel(artifact, threads=threads)
     res = bench_ds2d(model, load_forecast(artifact, forecast), load_prompts(prompts), max_new_tokens, depth, log=_log)
     table = Table(title=f"ds2d {res['artifact']} (m={res['m']}) on {res['prompts']} prompts, greedy")
-    for col in ("policy", "decode tok/s", "accepted/round", "tokens/call", "speedup", "== ar"):
+    for col in ("policy", "decode tok/s", "accepted/round", "tokens/call", "speedup CPU", "phone ms/token", "== ar"):
         table.add_column(col, justify="right" if col != "policy" else "left")
-    table.add_row("ar", f"{res['ar_tokens_per_s']:.1f}", "—", "1.00", "1.00x", "—")
+    table.add_row("ar", f"{res['ar_tokens_per_s']:.1f}", "—", "1.00", "1.00x", f"{res['phone_ms_per_token_ar']:.2f}", "—")
     table.add_row("ds2d", f"{res['ds2d_tokens_per_s']:.1f}", f"{res['accepted_per_round']:.2f}",
-                  f"{res['tokens_per_call']:.2f}", f"{res['speedup']:.2f}x", f"{res['identical']}/{res['prompts']}")
+                  f"{res['tokens_per_call']:.2f}", f"{res['speedup']:.2f}x", f"{res['phone_ms_per_token_ds2d']:.2f}",
+                  f"{res['identical']}/{res['prompts']}")
     console.print(table)
     if json_out:
         json_out.write_text(json.dumps(res, indent=1))

@@ -84,3 +84,6 @@ def test_artifact_without_lora_inputs_and_bad_folders(lora_artifact, tmp_path):
     _peft(src, tmp_path / "dora", use_dora=True)
     with pytest.raises(AdapterError, match="DoRA"):
         pack(artifact, tmp_path / "dora")
+    _peft(src, tmp_path / "lb", lora_bias=True)
+    with pytest.raises(AdapterError, match="lora_bias"):
+        pack(artifact, tmp_path / "lb")

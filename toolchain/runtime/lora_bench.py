@@ -27,6 +27,17 @@ def _tok(model: StepModel, text: str) -> list[int]:
     return model.tokenizer(text).input_ids
 
 
+def phone_per_call(model: StepModel, device: str = "snapdragon-8-gen-3", dram: float = 1.0) -> dict[str, float]:
+    """Predicted phone seconds of one call per family (toolchain/runtime/cost.py; weights resident)."""
+    from toolchain.runtime.bench import family_costs
+    from toolchain.runtime.cost import CostModel
+
+    costs = family_costs(model)
+    cm = CostModel(device, dram)
+    cm.place(costs[model.decode_family])
+    return {f: cm.call_latency(c).total_s for f, c in costs.items()}
+
+
 def bench_ctg(model: StepModel, styles: Sequence[Adapter | None], prompts: Sequence[str], max_new_tokens: int,
               log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     k = len(styles)
@@ -60,6 +71,10 @@ def bench_ctg(model: StepModel, styles: Sequence[Adapter | None], prompts: Seque
         log(f"prompt {i}: ctg {ctg_tokens / ctg_decode:.1f} tok/s, sequential {seq_tokens / seq_decode:.1f} tok/s, "
             f"{identical}/{k} styles identical")
     bind_adapters(model, [])
+    phone = phone_per_call(model)
+    fam = model.family_for(k)
+    phone_ctg = sum(r["ctg_calls"] for r in rows) * phone[fam]
+    phone_seq = sum(r["seq_tokens"] for r in rows) * phone[model.decode_family]  # one width-1 call per token
     tot = {key: sum(r[key] for r in rows) for key in ("ctg_tokens", "ctg_decode_s", "ctg_total_s", "seq_tokens",
                                                       "seq_decode_s", "seq_total_s", "identical_styles")}
     ctg_tps = tot["ctg_tokens"] / max(tot["ctg_decode_s"], 1e-9)
@@ -68,7 +83,9 @@ def bench_ctg(model: StepModel, styles: Sequence[Adapter | None], prompts: Seque
             "prompts": len(rows), "ctg_tokens_per_s": ctg_tps, "sequential_tokens_per_s": seq_tps,
             "ratio_decode": ctg_tps / seq_tps,
             "ratio_end_to_end": (tot["ctg_tokens"] / tot["ctg_total_s"]) / (tot["seq_tokens"] / tot["seq_total_s"]),
-            "identical_styles": tot["identical_styles"], "total_styles": k * len(rows), "rows": rows}
+            "identical_styles": tot["identical_styles"], "total_styles": k * len(rows),
+            "phone_ms_per_token_ctg": 1e3 * phone_ctg / max(tot["ctg_tokens"], 1),
+            "phone_ms_per_token_sequential": 1e3 * phone_seq / max(tot["seq_tokens"], 1), "rows": rows}
 
 
 def bench_ds2d(model: StepModel, forecast: np.ndarray, prompts: Sequence[str], max_new_tokens: int,
@@ -94,10 +111,14 @@ def bench_ds2d(model: StepModel, forecast: np.ndarray, prompts: Sequence[str], m
     ar_tok = sum(len(r["ar"]["tokens"]) for r in rows)
     ds_tok = sum(len(r["ds2d"]["tokens"]) for r in rows)
     accepted = [a for r in rows for a in r["ds2d"]["accepted"]]
+    phone = phone_per_call(model)
+    ds_fam = model.family_for((min(depth or forecast.shape[0], forecast.shape[0]) + 1) * (forecast.shape[0] + 1))
     ar_tps = ar_tok / max(total("ar", "decode_s"), 1e-9)
     ds_tps = ds_tok / max(total("ds2d", "decode_s"), 1e-9)
     return {"artifact": model.name, "m": int(forecast.shape[0]), "prompts": len(rows),
             "ar_tokens_per_s": ar_tps, "ds2d_tokens_per_s": ds_tps, "speedup": ds_tps / ar_tps,
             "accepted_per_round": float(np.mean(accepted)) if accepted else 0.0,
             "tokens_per_call": ds_tok / max(total("ds2d", "calls"), 1.0),
-            "identical": sum(r["identical"] for r in rows), "rows": rows}
+            "identical": sum(r["identical"] for r in rows),
+            "phone_ms_per_token_ar": 1e3 * total("ar", "calls") * phone[model.decode_family] / max(ar_tok, 1),
+            "phone_ms_per_token_ds2d": 1e3 * total("ds2d", "calls") * phone[ds_fam] / max(ds_tok, 1), "rows": rows}
