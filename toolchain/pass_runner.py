@@ -11,9 +11,11 @@ the pass, the family and the worst output. Rows are plain JSON (manifest.json "p
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,15 +31,22 @@ Feeds = dict[str, dict[str, np.ndarray]]
 
 
 def ort_run(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One graph on the onnxruntime CPU EP (the reference every pass is checked on)."""
-    proto = ir.serde.serialize_model(entry.model)
+    """One graph on the onnxruntime CPU EP (the reference every pass is checked on).
+
+    The graph goes through a temporary file with external data rather than serialized bytes:
+    bytes would hold the weights three times over (model, proto, ORT), which a 1 GB Gemma 3
+    graph cannot afford next to its torch model.
+    """
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    try:
-        sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        raise PassError(f"graph {entry.name!r} does not load in onnxruntime: {exc}") from exc
+    with tempfile.TemporaryDirectory(prefix="mobc-pass-") as tmp:
+        path = Path(tmp) / "graph.onnx"
+        ir.save(entry.model, path, external_data="graph.data")
+        try:
+            sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise PassError(f"graph {entry.name!r} does not load in onnxruntime: {exc}") from exc
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds), strict=True))
 
@@ -122,10 +131,6 @@ def run_passes(
     """Applies `specs` (recipe pass list) in order; returns the new GraphSet and one row per pass."""
     passes = [build(spec, i) for i, spec in enumerate(specs)]
     rows: list[dict] = []
-    for entry in graphset.entries.values():
-        # weights mapped from an export cache file are read into memory once: passes rewrite
-        # them, and onnxruntime sessions built from bytes cannot follow external-data paths
-        ir.external_data.load_to_model(entry.model)
     before = _run_all(graphset, feeds)
     for p in passes:
         name = p.pass_name
