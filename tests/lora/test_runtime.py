@@ -115,8 +115,9 @@ def test_ds2d_equals_greedy_ar(artifact):
     for prompt_text in ("def main(argv):\n    return", "import os\nclass Path", "x = [i for i in"):
         prompt = tiny_tokenizer()(prompt_text).input_ids
         ar = [t for c in make_policy("ar", model).generate(prompt, 16, Sampler()) for t in c]
-        ds = make_policy("ds2d", model, forecast=forecast)
-        assert [t for c in ds.generate(prompt, 16, Sampler()) for t in c] == ar
+        for depth in (None, 1):  # k = m drafts per round (width 9), and k = 1 (width 4)
+            ds = make_policy("ds2d", model, forecast=forecast, depth=depth)
+            assert [t for c in ds.generate(prompt, 16, Sampler()) for t in c] == ar
         oracle = _Oracle(model, None, forecast)
         oracle.ref = ar
         assert [t for c in oracle.generate(prompt, 16, Sampler()) for t in c] == ar

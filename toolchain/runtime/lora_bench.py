@@ -112,7 +112,7 @@ def bench_ds2d(model: StepModel, forecast: np.ndarray, prompts: Sequence[str], m
     ds_tok = sum(len(r["ds2d"]["tokens"]) for r in rows)
     accepted = [a for r in rows for a in r["ds2d"]["accepted"]]
     phone = phone_per_call(model)
-    ds_fam = model.family_for((min(depth or forecast.shape[0], forecast.shape[0]) + 1) * (forecast.shape[0] + 1))
+    ds_fam = model.family_for((min(depth or forecast.shape[0], forecast.shape[0]) + 1) ** 2)
     ar_tps = ar_tok / max(total("ar", "decode_s"), 1e-9)
     ds_tps = ds_tok / max(total("ds2d", "decode_s"), 1e-9)
     return {"artifact": model.name, "m": int(forecast.shape[0]), "prompts": len(rows),

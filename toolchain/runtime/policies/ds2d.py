@@ -1,9 +1,9 @@
 """ds2d: draft-free self-speculation with m learned forecast embeddings (artifact with forecast_inputs).
 
-One call per round, in the narrowest graph of width >= (k+1)(m+1):
+One call per round, in the narrowest graph of width >= (k+1)^2 (k <= m drafts per round):
 
     rows  [pending, d1..dc-1]            the chain: the newest token and the drafts to verify
-          [F1..Fm] after each chain node  forecast rows (forecast_select one-hot, no token)
+          [F1..Fk] after each chain node  forecast rows (forecast_select one-hot, no token)
 
 Chain rows are causal; forecast row i after node j sees the chain up to j and the forecast rows
 1..i of its own set, at position pos(j) + i. Row j of the chain gives the target's greedy token
@@ -66,7 +66,7 @@ class DS2D(Policy):
         self.m = int(forecast.shape[0])
         self.k = min(depth or self.m, self.m)  # drafts per round (at most m: one set of forecasts)
         super().__init__(target, None)
-        self.family = target.family_for((self.k + 1) * (self.m + 1))
+        self.family = target.family_for((self.k + 1) ** 2)
         arrays = target.extra_inputs(self.family)
         if "forecast_select" not in arrays:
             raise MobcError(f"{target.name} has no forecast inputs; compile it with the forecast_inputs pass")
@@ -77,7 +77,7 @@ class DS2D(Policy):
 
     def _round(self, pending: int, drafts: list[int]) -> tuple[int, int, list[int]]:
         """One call: (accepted drafts, next token, next round's drafts)."""
-        model, m = self.target, self.m
+        model, m = self.target, self.k  # forecast rows per node: only the k slots a round can use
         c = 1 + len(drafts)
         allowed, depths, rows = tree_layout(c, m)
         select = model.extra_inputs(self.family)["forecast_select"]
