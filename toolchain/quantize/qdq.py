@@ -42,6 +42,7 @@ WEIGHT_QTYPES = {"int4": QuantType.QInt4, "int8": QuantType.QInt8, "int16": Quan
 ACT_QTYPES = {"int8": QuantType.QUInt8, "int16": QuantType.QUInt16}
 KV_PATTERN = re.compile(r"^(past|new)_(key|value)_(\d+)$")
 WEIGHT_OPS = {"MatMul": 1, "Gemm": 1, "Conv": 1}
+SOFTMAX_SPAN = 30.0  # exp(-30) ~ 1e-13: attention logits further below the row max are zero weight
 
 
 @dataclass
@@ -142,6 +143,12 @@ def build_overrides(model: onnx.ModelProto, spec: QuantizeSpec, kv_params: dict[
             else:
                 ov[node.input[0]] = [{"quant_type": ACT_QTYPES.get(etype, WEIGHT_QTYPES.get(etype))}]
                 schemes[node.input[0]] = {"node": node.name, "dtype": etype, "granularity": "per_tensor"}
+        if node.op_type == "Softmax" and ranges is not None and node.input[0] in ranges.data:
+            # scores + additive mask span [-1e4, ~20]: a grid over that wastes every level on the
+            # mask; below max - SOFTMAX_SPAN exp() is 0 anyway, so clip there
+            lo, hi = (float(np.asarray(v).reshape(-1)[0]) for v in ranges.data[node.input[0]].range_value)
+            if hi - lo > SOFTMAX_SPAN:
+                ov.setdefault(node.input[0], [{}])[0].update(rmin=np.float32(hi - SOFTMAX_SPAN), rmax=np.float32(hi))
         if "activations" in o:
             for out in node.output:
                 if out and not KV_PATTERN.match(out):

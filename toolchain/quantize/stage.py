@@ -46,6 +46,34 @@ def tie_kv(ranges: dict[str, Any], spec: QuantizeSpec) -> tuple[dict[str, tuple[
     return params, record
 
 
+def share_ranges(folder: Path, sessions: ArtifactSessions, ranges: dict[str, Any]) -> int:
+    """One range per tensor across graphs: the union, where the same tensor name is produced by the
+    same node (decode and prefill are one network at two widths). A width-1 decode graph sees one
+    token per calibration call, the prefill graph hundreds; sharing gives decode those tokens' ranges
+    and both graphs identical encodings, like one AIMET encodings file for all widths."""
+    import onnx
+    from onnxruntime.quantization.calibrate import TensorData
+
+    producers = {}
+    for name, st in sessions.stages.items():
+        g = onnx.load(folder / st.record["file"], load_external_data=False).graph
+        producers[name] = {o: n.name for n in g.node for o in n.output} | {i.name: "input" for i in g.input}
+    union: dict[tuple[str, str], list[float]] = {}
+    for name, tensors in ranges.items():
+        for t in tensors.data:
+            lo, hi = tensor_range(tensors, t)
+            cur = union.setdefault((t, producers[name].get(t, "?")), [lo, hi])
+            cur[0], cur[1] = min(cur[0], lo), max(cur[1], hi)
+    changed = 0
+    for name, tensors in ranges.items():
+        for t in list(tensors.data):
+            lo, hi = union[(t, producers[name].get(t, "?"))]
+            if (lo, hi) != tensor_range(tensors, t):
+                tensors.data[t] = TensorData(lowest=np.float32(lo), highest=np.float32(hi))
+                changed += 1
+    return changed
+
+
 def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: Any = None,
                       log: Any = None) -> dict[str, Any]:
     """Calibrates, (optionally) runs QAT, emits folder/quantized/. Returns the manifest record."""
@@ -83,6 +111,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: A
                                            spec.calibration.seed, work))
             log(f"calibrated {fam}")
         timings["calibration"] = round(time.perf_counter() - t, 2)
+        shared = share_ranges(folder, sessions, ranges)
         kv_params, kv_record = tie_kv(ranges, spec)
         t = time.perf_counter()
         graphs = GraphSet()
@@ -108,6 +137,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: A
         "scheme": spec.tag(), "spec": spec.model_dump(mode="json"), "kv_encodings": kv_record,
         "weights_by_graph": {n: s["weights"] for n, s in schemes.items()},
         "calibration_tokens": len(tokens), "timings": timings, "qat": qat_record,
+        "ranges_shared_across_graphs": shared,
         "implementation": "onnxruntime.quantization get_qnn_qdq_config + quantize_static (QDQ); "
                           "mobc: feeds, streamed calibration, pattern overrides, tied KV, QAT, encodings",
     }
