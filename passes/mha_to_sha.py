@@ -46,7 +46,7 @@ from passes.registry import PassConfig, register
 
 # ops a head passes through on its own, as long as the op does not reduce, slice or concat along
 # a head axis (checked per node)
-_HEADWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Sqrt", "Reciprocal", "Tanh", "Sigmoid", "Exp",
+_HEADWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Clip", "Sqrt", "Reciprocal", "Tanh", "Sigmoid", "Exp",
                 "Cast", "Erf", "Relu", "Gelu", "Where", "Max", "Min", "Softmax", "ReduceMean", "ReduceSum",
                 "ReduceMax", "Slice", "Concat", "Transpose", "Reshape", "MatMul"}  # fmt: skip
 _PROJ = re.compile(r"\.self_attn\.(q|k|v)_proj$")

@@ -77,3 +77,17 @@ def test_per_width_graphs_share_weight_bytes(sha_sets):
     for name, v in big.items():
         assert name in b.initializers, name
         np.testing.assert_array_equal(v.const_value.numpy(), b.initializers[name].const_value.numpy())
+
+
+def test_composes_with_scaled_qk_norms():
+    # scale_rmsnorm (dynamic) on the per-head q/k norms adds Abs/ReduceMax/Clip/Div: they stay
+    # per head, so the only Splits are the two KV-cache inputs of each layer
+    gs, feeds = graphset_for("qwen3", (4,))
+    specs = ["fold_constants", {"scale_rmsnorm": {"unscaled": []}}, "mha_to_sha"]
+    gs, rows = run_passes(gs, specs, 1e-5, feeds)
+    model = gs.entries["w4"].model
+    build("mha_to_sha").ensures(model)
+    splits = [n for n in model.graph if n.op_type == "Split"]
+    assert sorted(n.inputs[0].name for n in splits) == sorted(
+        f"past_{k}_{i}" for i in range(2) for k in ("key", "value")
+    )
