@@ -79,6 +79,7 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder written b
         graphs_rows,
         io_rows,
         pass_rows,
+        qnn_rows,
         rich_table,
         timing_rows,
         verification_rows,
@@ -103,6 +104,8 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder written b
                       + ("[green]identical to generate[/]" if greedy["identical"] else "[red]diverges[/]"))
     if m.get("passes"):
         console.print(rich_table("Passes", pass_rows(m)))
+    if m.get("qnn"):
+        console.print(rich_table("QNN HTP context binaries (emulated HTP vs CPU EP)", qnn_rows(m)))
     for extra in m.get("inspect_tables", []):
         console.print(rich_table(extra["title"], (extra["head"], extra["rows"])))
     console.print(rich_table("Timings", timing_rows(m)))

@@ -18,9 +18,9 @@ import passes as pass_registry
 from toolchain import __version__
 from toolchain.artifacts import staging, write_graphs, write_manifest, write_rope
 from toolchain.capture import StepLayout, layout_for, rope_tables
-from toolchain.errors import VerificationError
+from toolchain.errors import RecipeError, VerificationError
 from toolchain.export import export_cached
-from toolchain.graphset import GraphEntry, GraphSet
+from toolchain.graphset import GraphEntry, GraphSet, run_chain
 from toolchain.recipe import Recipe, check_against_model, load_recipe
 from toolchain.report import write_report
 from toolchain.runtime.greedy import decode_family, greedy
@@ -140,6 +140,13 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
     if n:
         with timer.stage(f"verify greedy {n} tokens vs generate"):
             ids = loaded.tokenizer(recipe.verify.prompt).input_ids
+            room = sessions.chain(decode_family(sessions))[0].record["context"] - 1
+            if len(ids) + n > room:
+                raise RecipeError(
+                    f"verify.greedy_tokens: the verification prompt ({len(ids)} tokens) plus {n} greedy tokens "
+                    f"do not fit the decode graph's context ({room + 1}); lower verify.greedy_tokens, "
+                    "shorten verify.prompt or raise the context"
+                )
             ref = hf_greedy(loaded.model, ids, n)
             ours = greedy(sessions, ids, n, eos_ids(loaded.config))
         first_diff = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
@@ -153,6 +160,27 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
                 f"{first_diff} (ours {ours[:first_diff + 1]}, generate {ref[:first_diff + 1]})"
             )
     return result
+
+
+def stage_feeds(sessions: ArtifactSessions, cases: dict[str, Case]) -> dict[str, dict[str, Any]]:
+    """Each stage graph's inputs on the verification case (parts get the real residual stream)."""
+    feeds: dict[str, dict[str, Any]] = {}
+    for family, case in cases.items():
+        def record(stage: Any, stage_in: dict[str, Any]) -> dict[str, Any]:
+            feeds[stage.name] = stage_in
+            return sessions.run_stage(stage, stage_in)
+
+        run_chain(sessions.chain(family), case.feeds, record)
+    return feeds
+
+
+def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list[dict[str, Any]]:
+    """QNN HTP context binaries of every emitted graph, each run on real inputs and compared with CPU."""
+    from toolchain import qnn
+
+    sessions = ArtifactSessions(folder)
+    graph_files = {name: folder / stage.record["file"] for name, stage in sessions.stages.items()}
+    return qnn.emit_qnn(graph_files, folder / "qnn", recipe.qnn, stage_feeds(sessions, cases))
 
 
 def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force: bool = False,
@@ -207,6 +235,9 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
             }
             write_manifest(tmp, manifest)  # provisional: sessions read it; the folder is not in place yet
         manifest["verification"] = verify_artifact(tmp, recipe, loaded, cases, timer)
+        if recipe.qnn:
+            with timer.stage(f"qnn context binaries (soc {recipe.qnn.soc_model}, htp v{recipe.qnn.htp_arch})"):
+                manifest["qnn"] = emit_qnn_stage(tmp, recipe, cases)
         if recipe.quantize:  # after passes and float verification: writes tmp/quantized/
             from toolchain.quantize.stage import pipeline_quantize, report_section
 

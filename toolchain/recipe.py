@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolchain.errors import RecipeError
+from toolchain.qnn import QnnSpec
 from toolchain.quantize.schema import QuantizeSpec
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
@@ -84,6 +85,7 @@ class Recipe(_Strict):
     passes: list[str | dict[str, Any]] = Field(default_factory=list)
     tolerance: Tolerance = Tolerance()
     verify: VerifySpec = VerifySpec()
+    qnn: QnnSpec | None = Field(None, description="build and verify QNN HTP context binaries (toolchain/qnn)")
     quantize: QuantizeSpec | None = Field(None, description="PTQ/QAT to QDQ graphs (toolchain/quantize)")
     output: str | None = Field(None, description="artifact folder (default exported/<name>)")
 

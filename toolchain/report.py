@@ -80,6 +80,18 @@ def pass_rows(m: dict[str, Any] | list[dict[str, Any]]) -> Rows:
     return head, rows
 
 
+def qnn_rows(m: dict[str, Any]) -> Rows:
+    head = ["graph", "status", "context binary", "build s", "max |diff| vs CPU", "worst output", "argmax agree"]
+    rows = []
+    for r in m.get("qnn") or []:
+        v = r.get("verify") or {}
+        agree = v.get("argmax_agreement")
+        rows.append([r["graph"], r["status"], _mb(r.get("bytes", 0)) if "bytes" in r else r.get("reason", ""),
+                     f"{r.get('build_seconds', 0):.1f}", f"{v['worst_max_abs']:.3g}" if v else "-",
+                     v.get("worst_output", "-"), f"{agree:.0%}" if isinstance(agree, float) else "-"])
+    return head, rows
+
+
 def timing_rows(m: dict[str, Any]) -> Rows:
     return ["stage", "seconds"], [[k, f"{v:.2f}"] for k, v in m.get("timings", {}).items()]
 
@@ -128,6 +140,9 @@ def write_report(folder: Path, m: dict[str, Any]) -> None:
                      f"DIVERGES at token {g['first_mismatch']}.")]
     if m.get("passes"):
         parts += ["", "## Passes", "", markdown_table(pass_rows(m))]
+    if m.get("qnn"):
+        parts += ["", "## QNN HTP context binaries (emulated HTP vs CPU EP, same inputs)", "",
+                  markdown_table(qnn_rows(m))]
     for extra in m.get("report_sections", []):
         parts += ["", extra]
     parts += ["", "## Timings", "", markdown_table(timing_rows(m)), ""]

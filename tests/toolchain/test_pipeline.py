@@ -163,3 +163,28 @@ def test_killed_compile_leaves_no_manifest(tiny_dir, tmp_path):
     assert proc.returncode == -signal.SIGKILL, "compile finished before it could be killed"
     assert not (out_parent / "killed" / "manifest.json").exists()
     assert not (out_parent / "killed").exists()
+
+
+@pytest.mark.qnn
+def test_recipe_qnn_section_builds_verified_binaries(tiny_dir, tmp_path):
+    from toolchain import qnn
+
+    ok, reason = qnn.availability()
+    if not ok:
+        pytest.skip(f"onnxruntime-qnn unavailable here: {reason}")
+    recipe = write_recipe(
+        tmp_path / "q.yaml", tiny_dir, name="withqnn",
+        graphs="  decode: {width: 1, context: 64}\n",
+        extra="passes: [scale_rmsnorm, {split_layers: {at: [1]}}]\n"
+              "qnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n",
+    )
+    result = compile_recipe(recipe)
+    records = result.manifest["qnn"]
+    assert {r["graph"] for r in records} == {g["name"] for g in result.manifest["graphs"]}
+    assert len(records) == 2  # both parts of the split decode graph
+    for r in records:
+        assert r["status"] == "verified" and r["verify"]["worst_max_abs"] <= 0.05
+        for name in r["binaries"]:
+            assert (result.out_dir / "qnn" / name).stat().st_size > 0
+    r = runner.invoke(app, ["inspect", str(result.out_dir)], terminal_width=160)
+    assert "QNN HTP context binaries" in r.output and "verified" in r.output
