@@ -6,8 +6,11 @@ and by the residual Adds, so scaling it by c everywhere is exact in real arithme
   - every branch written into the stream (attention o_proj, MLP down_proj, or Gemma's post-norms)
     is multiplied by c;
   - every RMSNorm that reads the stream gets eps·c², since norm(c·x; eps·c²) = norm(x; eps).
-Why: Gemma 3's residual reaches ~104k, above fp16's 65504, so an fp16 NPU (QNN HTP) overflows
-it; c = 1/4 brings it to ~26k. With c a power of two every rescaled weight is bit-exact.
+Why: Gemma 3's residual reaches ~104k on the BOS token, above fp16's 65504, so an fp16 NPU (QNN
+HTP) overflows it; c = 1/4 brings it to ~26k. With c a power of two every rescaled weight is
+bit-exact. Measured (Gemma 3 270M decode, N=1, CL=512, HTP emulation, with scale_rmsnorm after):
+BOS step vs CPU without this pass: max |K - CPU| 4.9, |logit| 3.8; with it: 0.04 / 0.04, and 5
+greedy tokens identical to CPU (max logit diff 0.15-0.21 per step).
 
 Rewrite rules (c enters where it costs nothing at run time):
   - branch / embedding produced by MatMul, Mul or Conv with a constant operand: that operand is
