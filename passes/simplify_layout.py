@@ -87,7 +87,7 @@ RULES = [
 
 
 def simplify(model: ir.Model, max_rounds: int = 4) -> bool:
-    before = {id(n) for n in model.graph}
+    before = set(model.graph)  # the nodes themselves (ids of freed nodes get reused)
     changed = False
     for _ in range(max_rounds):
         if not RewritePass(RULES)(model).modified:
@@ -99,7 +99,7 @@ def simplify(model: ir.Model, max_rounds: int = 4) -> bool:
     RemoveUnusedNodesPass()(model)
     mark_names_stale(model.graph)
     for node in model.graph:  # rewriter-made nodes are named node_<Op>_<k>: give them a scope
-        if id(node) in before:
+        if node in before:
             continue
         users = [u for o in node.outputs for u, _ in o.uses()]
         src = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
