@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+# wide tables stay readable when the output is a file or a pipe (rich assumes 80 columns there)
+console = Console(width=None if Console().is_terminal else 160)
 err = Console(stderr=True)
 
 
