@@ -13,7 +13,8 @@ from rich.table import Table
 
 from toolchain.errors import MobcError
 
-console = Console()
+# tables stay readable when piped to a file or a CI log (rich would wrap them at 80 columns)
+console = Console() if sys.stdout.isatty() else Console(width=200)
 err = Console(stderr=True)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables (and write JSON).")
 train_app = typer.Typer(no_args_is_help=True, help="Train helper models (drafts) for the runtime.")
@@ -146,7 +147,7 @@ def bench_decode(
         res["llamacpp"] = lc
     elif llamacpp:
         res["llamacpp"] = None
-        why = "llama-cpp-python is not installed (pip install 'mobc[llamacpp]')" if not lcpp.available() \
+        why = "llama-cpp-python is not installed (pip install 'mobc\\[llamacpp]')" if not lcpp.available() \
             else "the target was not compiled from a GGUF"
         err.print(f"[yellow]no llama.cpp row:[/] {why}")
 

@@ -95,6 +95,12 @@ class Predictor:
         return sum(n * self.per_call[f] for f, n in calls.items())
 
 
+def _progress(name: str, p: dict[str, Any]) -> str:
+    calls = sum(p["target_calls"].values())
+    same = "" if p["identical_to_ar"] else " MISMATCH"
+    return f"{name} {p['tokens'] / max(p['seconds'], 1e-9):.1f} tok/s, {p['tokens'] / max(calls, 1):.2f} tok/call{same}"
+
+
 @dataclass
 class PolicyResult:
     name: str
@@ -167,9 +173,7 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
                               "phone_seconds": phone, "target_calls": dict(s.target_calls),
                               "draft_calls": dict(s.draft_calls), "accepted": s.accepted,
                               "identical_to_ar": same, "output": out})
-        log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
-            f"{n} {results[n].prompts[-1]['tokens'] / max(results[n].prompts[-1]['seconds'], 1e-9):.1f} tok/s"
-            for n in policies))
+        log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(_progress(n, results[n].prompts[-1]) for n in policies))
     rows = [r.row() for r in results.values()]
     base = results["ar"]
     for row, r in zip(rows, results.values(), strict=True):
