@@ -319,7 +319,7 @@ def train_draft(recipe_path: Path, out_dir: Path, layers: str, cfg: DistillConfi
     stats = distill(readout, w_train, s_train, cfg, cfg.seconds - (time.perf_counter() - t_loop), log)
     after = agreement(readout, w_held, s_held) if stats["steps"] else lens_only
     log(f"held-out top-1 agreement after {stats['steps']} distillation steps: {after:.3f}")
-    kept = "distilled"
+    kept = "distilled" if stats["steps"] else "lens-only"
     if after < lens_only:  # too few steps to help (or overfit): keep the closed-form lens
         readout.load_state_dict(snapshot)
         kept = "lens-only"
