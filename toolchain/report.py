@@ -40,7 +40,9 @@ def io_rows(graph: dict[str, Any], limit: int = 8) -> Rows:
         for s in per_layer:
             groups.setdefault(s["name"].rsplit("_", 1)[0], []).append(s)
         for stem, items in groups.items():
-            rows.append([direction[:-1], f"{stem}_{{0..{len(items) - 1}}}", _shape(items[0]), items[0]["dtype"]])
+            first, last = items[0]["name"].rsplit("_", 1)[1], items[-1]["name"].rsplit("_", 1)[1]
+            label = items[0]["name"] if len(items) == 1 else f"{stem}_{{{first}..{last}}}"
+            rows.append([direction[:-1], label, _shape(items[0]), items[0]["dtype"]])
     return head, rows[: limit * 4]
 
 
