@@ -44,15 +44,16 @@ def stdlib_corpus(exclude: tuple[str, ...] = ("os.py",), limit: int = 60) -> str
 class _Forecaster:
     """Builds one training/eval example and runs it through the StepGraph with forecast rows."""
 
-    def __init__(self, model: Any, m: int, cfg: ForecastConfig):
+    def __init__(self, model: Any, m: int, cfg: ForecastConfig, init: np.ndarray | None = None):
         self.model, self.m, self.cfg = model, m, cfg
         self.total = cfg.seq_len + cfg.anchors * m
         self.layout = layout_for(model.config, self.total, self.total)
         self.rope = {k: torch.from_numpy(v) for k, v in rope_tables(model, self.layout, cfg.seq_len + m + 1).items()}
         embed = model.model.embed_tokens
-        with torch.no_grad():
-            init = embed(torch.arange(min(4096, model.config.vocab_size))[None])[0].mean(0)
-        self.vectors = torch.nn.Parameter(init.repeat(m, 1).clone())
+        with torch.no_grad():  # default start: the mean token embedding, the same for every slot
+            mean = embed(torch.arange(min(4096, model.config.vocab_size))[None])[0].mean(0)
+        start = mean.repeat(m, 1).clone() if init is None else torch.tensor(np.array(init, np.float32))
+        self.vectors = torch.nn.Parameter(start)
         self._rows: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
         self._hook = embed.register_forward_hook(self._mix)
@@ -107,15 +108,18 @@ class _Forecaster:
 
 
 def train_forecast(model: Any, tokenizer: Any, m: int, cfg: ForecastConfig,
-                   log: Callable[[str], None] = lambda s: None) -> tuple[np.ndarray, dict[str, Any]]:
-    """Returns (forecast embeddings [m, C], report with per-slot top-1 accuracy before/after)."""
+                   log: Callable[[str], None] = lambda s: None,
+                   init: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """Returns (forecast embeddings [m, C], report with per-slot top-1 accuracy before/after).
+
+    `init` resumes from earlier embeddings (a second budget on top of the first)."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     for p in model.parameters():
         p.requires_grad_(False)
     ids = torch.tensor(tokenizer(stdlib_corpus()).input_ids)
     held = torch.tensor(tokenizer(Path(os.__file__).read_text()).input_ids)
-    fc = _Forecaster(model, m, cfg)
+    fc = _Forecaster(model, m, cfg, init)
     step_graph = StepGraph(model, fc.layout)
     assert model.config._attn_implementation == ATTENTION_NAME
     opt = torch.optim.Adam([fc.vectors], lr=cfg.lr)
@@ -157,7 +161,7 @@ def train_forecast(model: Any, tokenizer: Any, m: int, cfg: ForecastConfig,
     report = {"m": m, "steps": step, "seconds": round(seconds, 1), "loss_first": losses[0] if losses else None,
               "loss_last": float(np.mean(losses[-10:])) if losses else None, "accuracy_before": before,
               "accuracy_after": after, "config": cfg.__dict__}
-    return fc.vectors.detach().float().numpy(), report
+    return fc.vectors.detach().float().numpy().copy(), report
 
 
 def save_forecast(path: Path, embeds: np.ndarray, report: dict[str, Any]) -> None:

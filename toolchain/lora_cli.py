@@ -106,6 +106,7 @@ def train_forecast_cmd(
     anchors: int = typer.Option(32, "--anchors", help="forecast sets per training sequence"),
     lr: float = typer.Option(1e-2, "--lr"),
     out: Path | None = typer.Option(None, "--out", help="default: ARTIFACT/forecast.npz"),
+    resume: bool = typer.Option(False, "--resume", help="start from the embeddings already at --out"),
 ) -> None:
     """Prefix-tune DS2D's forecast embeddings on stdlib source with the base model frozen."""
     from toolchain.artifacts import load_manifest
@@ -117,10 +118,15 @@ def train_forecast_cmd(
     if not shapes:
         raise MobcError(f"{artifact} has no forecast_embeds input; add `- forecast_inputs: {{m: 3}}` to the "
                         "recipe's passes and recompile")
+    path = out or artifact / FORECAST_FILE
+    init = None
+    if resume:
+        from toolchain.runtime.policies.ds2d import load_forecast
+
+        init = load_forecast(artifact, path)
     lm = _source(artifact)
     cfg = ForecastConfig(seconds=minutes * 60, seq_len=seq_len, anchors=anchors, lr=lr)
-    embeds, report = train_forecast(lm.model, lm.tokenizer, shapes[0][0], cfg, log=_log)
-    path = out or artifact / FORECAST_FILE
+    embeds, report = train_forecast(lm.model, lm.tokenizer, shapes[0][0], cfg, log=_log, init=init)
     save_forecast(path, embeds, report)
     console.print(f"[bold green]forecast[/] {path}: m={report['m']}, {report['steps']} steps in {report['seconds']:.0f} s; "
                   f"top-1 per slot {report['accuracy_before']} -> {report['accuracy_after']} (held-out os.py)")
