@@ -81,7 +81,7 @@ def bench_lever(
             ("lm_head rows", "lm_head_rows", ""), ("overlap", "overlap", ".2f"), ("== ar", "identical_to_ar", "d")]
     _print(f"decode {target.name} + {drafter.name}, {len(ids)} prompts, {device}, target DRAM {target_dram:g}",
            main, cols)
-    lever_name = "lever+prune" if "lever+prune" in names else "lever"
+    lever_name = "lever"  # the sweep re-runs the main lever policy (its decisions read the cost model)
     if ablation and "lever" in names:
         abl = ["ar", "chain", "lever+full"] + (["lever+prune+full", "lever+prune+path"] if "lever+prune" in names
                                                else ["lever+path"])

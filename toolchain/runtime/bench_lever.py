@@ -126,7 +126,11 @@ class LeverBench:
         if not hasattr(pol, "lever"):
             return None
         v = pol.verifier
-        return repr((pol.config, sorted(v.modes.items()), v.logits, type(v).__name__,
+        import dataclasses
+
+        cfg = dataclasses.replace(pol.config, logits="")  # what logits mode did is in the verifier's modes
+        modes = {w: v.modes.get(w, v.logits) for w in v.widths}
+        return repr((cfg, sorted(modes.items()), type(v).__name__,
                      getattr(v, "spec", None) and v.spec.threshold, round(pol.t_prices.seconds(pol.target.decode_family), 9)))
 
     # ---- tables -------------------------------------------------------------------------------
@@ -168,11 +172,10 @@ class LeverBench:
 
     def table(self, names: list[str]) -> list[dict[str, Any]]:
         base = self.run("ar")
-        chain = self.runs.get("chain")
-        rows = []
         for n in names:
-            rows.append({**self.row(self.run(n), base, chain), "policy": n})
-        return rows
+            self.run(n)
+        chain = self.runs.get("chain")  # after the runs: the table may be the one that runs chain
+        return [{**self.row(self.runs[n], base, chain), "policy": n} for n in names]
 
     def sweep(self, budgets: list[float], lever_name: str) -> list[dict[str, Any]]:
         """Per budget: phone ms/token of ar/chain/ahasd (re-priced) and lever (re-run), speedups."""

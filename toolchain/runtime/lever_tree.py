@@ -149,6 +149,8 @@ class TreeBuilder:
         self.calib = calibrator or Calibrator(top_k=top_k)
         self.batch = batch
         self.max_nodes = max_nodes
+        self.explore_every = 8
+        self.cycles = 0
 
     def _batch_sizes(self, n: int) -> list[int]:
         if not self.batch:
@@ -191,9 +193,12 @@ class TreeBuilder:
             _, batch, record = self.plan(pool, expanded, d_seconds)
             trace.append(record)
             if not expanded:
-                # the root always runs: its draft call also feeds the draft the committed tokens it
-                # has not seen, and a policy that stopped drafting could never learn it should resume
-                batch = [0]
+                # not even the root pays (e.g. the target is DRAM-resident and the draft is weak): verify
+                # the root alone, an AR step; every `explore_every` cycles draft anyway, so calibration
+                # keeps learning whether drafting pays again
+                self.cycles += 1
+                if not batch and self.cycles % self.explore_every == 0:
+                    batch = [0]
             if not batch:
                 break
             results = expand(pool, batch)

@@ -178,9 +178,12 @@ class PrunedVerifier(TreeVerifier):
             feeds2[res_name] = r
             self.stats["pruned_calls"] += 1
             self.stats["tail_rows_saved"] += width - w2
-        full = self.modes.get(width, self.logits) == "full"
-        tail = [s for s in m.sessions.chain(fam2) if s.stage >= cut2 and (full or s.record["role"] != "lm_head")]
+        chain2 = m.sessions.chain(fam2)
+        tail = [s for s in chain2 if s.stage >= cut2 and s.record["role"] != "lm_head"]
         outs1 = run_stages(m, tail, feeds2, key=f"tail:{fam2}:{cut2}")
+        head = [s for s in chain2 if s.record["role"] == "lm_head"]
+        if self.modes.get(width, self.logits) == "full" and head:  # one lm_head call over every kept row
+            outs1.update(run_stages(m, head, {"hidden": outs1["hidden"]}, key=f"stage:{head[0].name}"))
         row, done = self._row_fn(outs1)
         acc = accept(sub, row, sampler)
         rows = {}
@@ -191,5 +194,6 @@ class PrunedVerifier(TreeVerifier):
                 rows[name] = np.take(src[name], idx, axis=-1 if kind == "key" else 2)
         m.cache.commit(rows, range(len(acc.path)))
         acc.path = [order[p] for p in acc.path]
-        return VerifyResult(acc, width, m.widths[fam2], len(done), pruned_width=m.widths[fam2],
+        rows_logits = m.widths[fam2] if "logits" in outs1 else len(done)
+        return VerifyResult(acc, width, width, rows_logits, pruned_width=m.widths[fam2],
                             info={"kept": len(sub)})

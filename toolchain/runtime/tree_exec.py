@@ -91,11 +91,10 @@ class DraftTree:
     def start(self, todo: Sequence[int]) -> np.ndarray:
         """Feed the committed tokens the draft has not seen (ending with the root); root logits [V]."""
         m = self.model
-        logits = m.forward(list(todo))
-        m.commit(range(len(todo)))
+        logits = m.feed(list(todo))  # chunked by the widest graph: todo grows while drafting is skipped
         self.root_slot = m.cache.length - 1
         self.slot = {0: self.root_slot}
-        return np.asarray(logits[-1], dtype=np.float32)
+        return np.asarray(logits, dtype=np.float32)
 
     def room(self, extra: int) -> bool:
         return self.model.cache.free(max(self.model.widths.values())) >= extra

@@ -136,4 +136,8 @@ def test_lever_by_name_with_phone_costs_and_sampling(artifacts):
     ids = tiny_tokenizer()(PROMPTS[2]).input_ids
     assert run(lever, ids, 25) == run(make_policy("ar", target), ids, 25)
     out = run(lever, ids, 25, Sampler(temperature=0.8, seed=3))
-    assert len(out) == 25 and run(lever, ids, 25, Sampler(temperature=0.8, seed=3)) == out
+    assert len(out) == 25 and all(0 <= t < 512 for t in out)
+    # reproducible for a seed from a fresh policy (a used one has calibrated on earlier runs)
+    again = make_policy("lever", target, draft, device="snapdragon-8-gen-3", target_dram=0.0)
+    assert run(make_policy("lever", target, draft), ids, 25, Sampler(temperature=0.8, seed=3)) == \
+        run(again, ids, 25, Sampler(temperature=0.8, seed=3))

@@ -105,6 +105,7 @@ class Lever(Policy):
         draft, target = self.draft, self.target
         self._start(prompt)
         self.lever = LeverStats()
+        self.builder.cycles = 0  # exploration schedule per generation (calibration carries over)
         t_logits = target.prefill(prompt)
         draft.prefill(prompt)
         self._end_prefill()
@@ -133,12 +134,22 @@ class Lever(Policy):
                         return
                     todo.append(pending)
                     continue
-                root_logits = drafter.start(todo)
-                res = self.builder.build(pending, self._expander(drafter, root_logits, sampler))
+                started: list[bool] = []
+                res = self.builder.build(pending, self._expander(drafter, todo, started, sampler))
                 vr = self.verifier.verify(res.tree, sampler)
                 acc = vr.acceptance
                 pool_path = [res.index[i] for i in acc.path]
                 self.builder.learn(res.pool, pool_path, acc.next_token)
+                if not started:  # no draft call this cycle: the draft still has todo (+ this token) to see
+                    todo = [*todo, acc.next_token]
+                    self._record(res, vr, 1)
+                    n += 1
+                    self.stats.tokens = n
+                    pending = acc.next_token
+                    yield [acc.next_token]
+                    if acc.next_token in target.eos_ids:
+                        return
+                    continue
                 kept = drafter.finish(pool_path)
                 toks = [res.tree.tokens[i] for i in acc.path[1:]]
                 todo = [*toks[kept:], acc.next_token]
@@ -153,7 +164,7 @@ class Lever(Policy):
         finally:
             self._finish()
 
-    def _expander(self, drafter: DraftTree, root_logits: np.ndarray, sampler: Sampler):
+    def _expander(self, drafter: DraftTree, todo: list[int], started: list[bool], sampler: Sampler):
         k = self.config.top_k + self.config.shadows
 
         def probs(logits: np.ndarray) -> np.ndarray:
@@ -165,9 +176,13 @@ class Lever(Policy):
             return sampler.probs(logits)
 
         def expand(pool, nodes: list[int]):
+            rows = {}
+            if 0 in nodes:  # the root's draft call also feeds the committed tokens the draft has not seen
+                rows[0] = drafter.start(todo)
+                started.append(True)
             rest = [x for x in nodes if x != 0]
-            rows = dict(zip(rest, drafter.expand(pool, rest), strict=True)) if rest else {}
-            rows[0] = root_logits
+            if rest:
+                rows.update(zip(rest, drafter.expand(pool, rest), strict=True))
             return [top_candidates(probs(rows[x]), k) for x in nodes]
 
         return expand
