@@ -178,34 +178,8 @@ def run_passes(
     return graphset, rows
 
 
-def _ops_delta(before: dict[str, int], after: dict[str, int], limit: int = 6) -> str:
-    changes = []
-    for op in sorted(set(before) | set(after)):
-        a, b = before.get(op, 0), after.get(op, 0)
-        if a != b:
-            changes.append((abs(b - a), f"{op} {a}->{b}"))
-    changes.sort(key=lambda c: -c[0])
-    text = ", ".join(c for _, c in changes[:limit])
-    return text + (f" (+{len(changes) - limit} more)" if len(changes) > limit else "") or "-"
-
-
 def format_pass_table(rows: list[dict]) -> Table:
-    """The per-pass table `mobc inspect` and the report print."""
-    table = Table(title="passes")
-    for col in ("pass", "graphs", "nodes", "weights MB", "max |diff|", "worst output", "s", "ops changed"):
-        table.add_column(
-            col, justify="right" if col in ("nodes", "weights MB", "max |diff|", "s") else "left"
-        )
-    for r in rows:
-        worst = r["worst"]
-        table.add_row(
-            r["pass"],
-            str(len(r["graphs_after"])),
-            f"{r['nodes_before']}->{r['nodes_after']}",
-            f"{r['weight_bytes_before'] / 1e6:.1f}->{r['weight_bytes_after'] / 1e6:.1f}",
-            f"{worst['diff']:.2e}",
-            f"{worst['family']}.{worst['output']}",
-            f"{r['seconds']:.2f}",
-            _ops_delta(r["ops_before"], r["ops_after"]),
-        )
-    return table
+    """The per-pass table (the same rows `mobc inspect` and report.md show)."""
+    from toolchain.report import pass_rows, rich_table
+
+    return rich_table("passes", pass_rows(rows))
