@@ -88,6 +88,8 @@ def qnn_rows(m: dict[str, Any]) -> Rows:
     for r in m.get("qnn") or []:
         v = r.get("verify") or {}
         agree = v.get("argmax_agreement")
+        if isinstance(agree, dict):  # per output: the logits' top-1 agreement
+            agree = min(agree.values()) if agree else None
         rows.append([r["graph"], r["status"], _mb(r.get("bytes", 0)) if "bytes" in r else r.get("reason", ""),
                      f"{r.get('build_seconds', 0):.1f}", f"{v['worst_max_abs']:.3g}" if v else "-",
                      v.get("worst_output", "-"), f"{agree:.0%}" if isinstance(agree, float) else "-"])
