@@ -105,7 +105,9 @@ class HubClient(Protocol):
     ) -> HubJob: ...
     def submit_profile(
         self, model: HubJob | Path, device: HubDevice, *, name: str, options: str = ""
-    ) -> HubJob: ...
+    ) -> HubJob:
+        return self._submit_inference(model, device, None, name, options, profile=True)
+
     def submit_inference(
         self,
         model: HubJob | Path,
@@ -114,8 +116,25 @@ class HubClient(Protocol):
         *,
         name: str,
         options: str = "",
-    ) -> HubJob: ...
-    def wait(self, job: HubJob, timeout: float | None = None) -> None: ...
+    ) -> HubJob:
+        return self._submit_inference(model, device, inputs, name, options, profile=False)
+
+    def _submit_inference(self, model: HubJob | Path, device: HubDevice, inputs: dict[str, list[Any]] | None,
+                          name: str, options: str, profile: bool) -> HubJob:
+        """Profiling is an inference job with profile=True (submit_profile_job is deprecated)."""
+        kind = "profile" if profile else "inference"
+        action = f"submit the {kind} job for {name}"
+        with translate_errors(action):
+            handle = self.backend.submit_inference_job(
+                model=self._model(model, action),
+                device=self._device(device),
+                inputs=inputs,
+                name=name,
+                options=options,
+                profile=profile,
+            )
+        return self._job(handle, kind, name)
+
     def get_job(self, job_id: str, kind: str = "") -> HubJob: ...
     def download_target_model(self, job: HubJob, dest: Path) -> Path: ...
     def download_profile(self, job: HubJob, dest: Path) -> Path: ...
