@@ -122,3 +122,9 @@ def test_ds2d_equals_greedy_ar(artifact):
         oracle.ref = ar
         assert [t for c in oracle.generate(prompt, 16, Sampler()) for t in c] == ar
         assert max(oracle.stats.accepted) == M and 0 < np.mean(oracle.stats.accepted) < M
+    # a prompt that leaves no room for a forecast round: the rest comes from plain target steps
+    prompt = list(rng.integers(3, 500, size=model.context - 12))
+    ar = [t for c in make_policy("ar", model).generate(prompt, 100, Sampler()) for t in c]
+    ds = make_policy("ds2d", model, forecast=forecast)
+    assert [t for c in ds.generate(prompt, 100, Sampler()) for t in c] == ar and len(ar) < 100
+    assert ds.stats.tokens == len(ar)

@@ -129,6 +129,16 @@ def test_greedy_lever_equals_ar(artifacts, draft_kind, logits):
             assert sum(lever.stats.accepted) >= len(ref) // 2
 
 
+def test_context_exhaustion_finishes_like_ar(artifacts):
+    target_dir, draft_dir = artifacts
+    target, draft = StepModel(target_dir), StepModel(draft_dir)
+    ids = list(np.random.default_rng(0).integers(3, 500, size=40))
+    ref = run(make_policy("ar", target), ids, 100)
+    lever = Lever(target, draft, LeverConfig(top_k=3), prices=(FixedPrices(1.0), FixedPrices(0.01)))
+    assert run(lever, ids, 100) == ref and len(ref) < 100  # the last tokens come from plain target steps
+    assert lever.stats.tokens == len(ref)
+
+
 def test_lever_by_name_with_phone_costs_and_sampling(artifacts):
     target_dir, draft_dir = artifacts
     target, draft = StepModel(target_dir), StepModel(draft_dir)

@@ -259,9 +259,7 @@ class Ahasd(Policy):
         self.unverified: queue.Queue[Draft] = queue.Queue()
         self.feedback: queue.Queue[Feedback] = queue.Queue()
         self.out: queue.Queue[list[int] | None] = queue.Queue()
-        first = sampler.pick(self.target.prefill(prompt))
-        self.draft.prefill(prompt)
-        self._end_prefill()
+        first = self._prefill(prompt, sampler)
         stop = threading.Event()
         pos = len(prompt)  # position of `first`
         errors: list[BaseException] = []
@@ -281,7 +279,6 @@ class Ahasd(Policy):
                    threading.Thread(target=guard(self._verifier, first, pos, max_new_tokens - 1, sampler, stop),
                                     daemon=True, name="ahasd-verify")]
         n = 1
-        self.stats.tokens = 1
         try:
             yield [first]
             if first in self.target.eos_ids or max_new_tokens <= 1:

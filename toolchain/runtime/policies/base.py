@@ -8,7 +8,7 @@ says how many target/draft calls the tokens cost, which the bench reads.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from toolchain.runtime.model import StepModel
@@ -48,6 +48,16 @@ class Policy:
         for m in self._models():
             m.reset()
 
+    def _prefill(self, prompt: Sequence[int], sampler: Sampler) -> int:
+        """Run the prompt through the target (then the draft, if any), move those calls out of the
+        decode-phase counters, and pick the first new token from the target's logits."""
+        logits = self.target.prefill(prompt)
+        if self.draft is not None:
+            self.draft.prefill(prompt)
+        self._end_prefill()
+        self.stats.tokens = 1
+        return sampler.pick(logits)
+
     def _models(self) -> list[StepModel]:
         return [m for m in (self.target, self.draft) if m is not None]
 
@@ -65,6 +75,25 @@ class Policy:
         if self.draft is not None:
             self.stats.draft_calls = Counter(self.draft.calls)
             self.stats.draft_seconds = sum(self.draft.seconds.values())
+
+    def _ar_step(self, pending: int, n: int, sampler: Sampler) -> Generator[list[int], None, int | None]:
+        """Out of context for a speculative round: one plain target step, like ar.
+
+        `pending` is the newest token (the target has not seen it), `n` the tokens emitted so far.
+        Yields the next token and returns it, or returns None when generation ends: no room even
+        for a width-1 step, or the token ends the sequence. In a policy's `generate`:
+
+            nxt = yield from self._ar_step(pending, n, sampler)
+            if nxt is None:
+                return
+            pending, n = nxt, n + 1
+        """
+        if not self.target.room(1):
+            return None
+        token = sampler.pick(self.target.feed([pending]))
+        self.stats.tokens = n + 1
+        yield [token]
+        return None if token in self.target.eos_ids else token
 
     def _clip(self, tokens: list[int], budget: int) -> tuple[list[int], bool]:
         """Cut at the budget and after an end-of-sequence token; (tokens, stop)."""

@@ -43,12 +43,8 @@ class Chain(Policy):
         assert self.draft is not None
         draft, target = self.draft, self.target
         self._start(prompt)
-        t_logits = target.prefill(prompt)
-        draft.prefill(prompt)
-        self._end_prefill()
-        pending = sampler.pick(t_logits)
+        pending = self._prefill(prompt, sampler)
         n = 1
-        self.stats.tokens = 1
         try:
             yield [pending]
             if pending in target.eos_ids:
@@ -58,14 +54,10 @@ class Chain(Policy):
                 g = min(self.gamma, max_new_tokens - n)
                 if not (target.room(g + 1) and draft.room(1) and draft.cache.free(1) >= len(todo) + g):
                     # out of context for a verify round: finish with plain target steps, like ar
-                    if not target.room(1):
+                    nxt = yield from self._ar_step(pending, n, sampler)
+                    if nxt is None:
                         return
-                    pending = sampler.pick(target.feed([pending]))
-                    n += 1
-                    self.stats.tokens = n
-                    yield [pending]
-                    if pending in target.eos_ids:
-                        return
+                    pending, n = nxt, n + 1
                     todo.append(pending)
                     continue
                 base = draft.length

@@ -102,11 +102,8 @@ class DS2D(Policy):
             raise MobcError("ds2d verifies greedily; use --temperature 0")
         model = self.target
         self._start(prompt)
-        logits = model.prefill(prompt)
-        self._end_prefill()
-        pending = int(np.argmax(logits))
+        pending = self._prefill(prompt, sampler)  # greedy: the argmax
         n = 1
-        self.stats.tokens = 1
         drafts: list[int] = []
         width = model.widths[self.family]
         try:
@@ -115,16 +112,16 @@ class DS2D(Policy):
                 return
             while n < max_new_tokens:
                 if model.cache.free(width) < 0:  # no room for a round: finish like ar
-                    if not model.room(1):
+                    nxt = yield from self._ar_step(pending, n, sampler)
+                    if nxt is None:
                         return
-                    pending = int(np.argmax(model.feed([pending])))
-                    new, stop = self._clip([pending], max_new_tokens - n)
-                else:
-                    drafts = drafts[: max(0, max_new_tokens - n - 1)]
-                    a, pending, nxt_drafts = self._round(pending, drafts)
-                    self.stats.accepted.append(a)
-                    new, stop = self._clip([*drafts[:a], pending], max_new_tokens - n)
-                    drafts = nxt_drafts
+                    pending, n = nxt, n + 1
+                    continue
+                drafts = drafts[: max(0, max_new_tokens - n - 1)]
+                a, pending, nxt_drafts = self._round(pending, drafts)
+                self.stats.accepted.append(a)
+                new, stop = self._clip([*drafts[:a], pending], max_new_tokens - n)
+                drafts = nxt_drafts
                 n += len(new)
                 self.stats.tokens = n
                 yield new

@@ -106,12 +106,8 @@ class Lever(Policy):
         self._start(prompt)
         self.lever = LeverStats()
         self.builder.cycles = 0  # exploration schedule per generation (calibration carries over)
-        t_logits = target.prefill(prompt)
-        draft.prefill(prompt)
-        self._end_prefill()
-        pending = sampler.pick(t_logits)
+        pending = self._prefill(prompt, sampler)
         n = 1
-        self.stats.tokens = 1
         drafter = DraftTree(draft)
         widest = max(self.verifier.widths)
         try:
@@ -124,14 +120,10 @@ class Lever(Policy):
                 room = draft.cache.free(max(draft.widths.values())) - len(todo)
                 self.builder.max_nodes = min(self.config.max_nodes, room)
                 if not (target.cache.free(widest) >= 0 and room > self.config.top_k):
-                    if not target.room(1):  # out of context: finish like ar
+                    nxt = yield from self._ar_step(pending, n, sampler)  # out of context: finish like ar
+                    if nxt is None:
                         return
-                    pending = sampler.pick(target.feed([pending]))
-                    n += 1
-                    self.stats.tokens = n
-                    yield [pending]
-                    if pending in target.eos_ids:
-                        return
+                    pending, n = nxt, n + 1
                     todo.append(pending)
                     continue
                 started: list[bool] = []
