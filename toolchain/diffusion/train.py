@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from toolchain.diffusion.form import DiffusionForm, write_form
 from toolchain.errors import MobcError
+from toolchain.train_loop import timed_adamw_loop
 
 # An existing special token that never occurs in source code: reused as [MASK] so the
 # vocabulary (and every graph's logits shape) stays the base model's.
@@ -139,29 +140,31 @@ def _train_loop(model: Any, mask_emb: torch.Tensor, train: np.ndarray, cfg: Diff
     for name, p in model.named_parameters():
         p.requires_grad = "embed_tokens" not in name and "lm_head" not in name
     params = [p for p in model.parameters() if p.requires_grad] + [mask_emb]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    model.train()
-    t0 = time.perf_counter()
-    step, losses = 0, []
-    while time.perf_counter() - t0 < cfg.seconds:
-        for g in opt.param_groups:  # linear warm-up: the first steps see a new attention pattern
-            g["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+
+    def step_loss() -> torch.Tensor:
         ids, masked, attn = make_batch(train, rng, cfg)
         logits, target = masked_logits(model, ids, masked, attn, mask_emb)
-        loss = F.cross_entropy(logits, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        losses.append(loss.item())
-        if step % 5 == 0:
-            log(f"step {step}: masked CE {np.mean(losses[-5:]):.3f} ({time.perf_counter() - t0:.0f} s)")
-    model.eval()
-    return {"steps": step, "seconds": time.perf_counter() - t0,
-            "tokens_seen": step * cfg.batch * cfg.seq_len,
-            "loss_first10": float(np.mean(losses[:10])) if losses else None,
-            "loss_last10": float(np.mean(losses[-10:])) if losses else None}
+        return F.cross_entropy(logits, target)
+
+    # linear warm-up: the first steps see a new attention pattern
+    res = timed_adamw_loop(
+        model,
+        params,
+        step_loss,
+        lr=cfg.lr,
+        seconds=cfg.seconds,
+        log=log,
+        label="masked CE",
+        every=5,
+        lr_at=lambda step: cfg.lr * min(1.0, (step + 1) / cfg.warmup),
+    )
+    return {
+        "steps": res.steps,
+        "seconds": res.seconds,
+        "tokens_seen": res.steps * cfg.batch * cfg.seq_len,
+        "loss_first10": res.first(10),
+        "loss_last10": res.last(10),
+    }
 
 
 def save_diffusion(model: Any, tokenizer: Any, mask_id: int, mask_emb: torch.Tensor, out_dir: Path,

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.errors import MobcError
+from toolchain.train_loop import timed_adamw_loop
 
 
 class DraftTrainError(MobcError):
@@ -246,11 +247,8 @@ def distill(readout: _Readout, windows: torch.Tensor, states: torch.Tensor, cfg:
     for name, p in readout.student.named_parameters():
         p.requires_grad = "embed_tokens" not in name and "lm_head" not in name
     params = [p for p in readout.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    readout.student.train()
-    t0 = time.perf_counter()
-    step, losses = 0, []
-    while time.perf_counter() - t0 < seconds:
+
+    def step_loss() -> torch.Tensor:
         rows = torch.randint(len(states), (cfg.batch,), generator=gen)
         pos = torch.randint(windows.shape[1], (cfg.batch, cfg.positions), generator=gen)
         h = readout.hidden(windows[rows])
@@ -259,19 +257,17 @@ def distill(readout: _Readout, windows: torch.Tensor, states: torch.Tensor, cfg:
         s_logp = F.log_softmax(readout.logits(h), dim=-1).flatten(0, 1)
         with torch.no_grad():
             t_logp = F.log_softmax(F.linear(t, readout.embed), dim=-1).flatten(0, 1)
-        loss = F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        losses.append(loss.item())
-        if step % 25 == 0:
-            log(f"step {step}: KL {np.mean(losses[-25:]):.3f} ({time.perf_counter() - t0:.0f} s)")
-    readout.student.eval()
-    return {"steps": step, "distill_seconds": time.perf_counter() - t0,
-            "kl_first": float(np.mean(losses[:10])) if losses else None,
-            "kl_last": float(np.mean(losses[-10:])) if losses else None}
+        return F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
+
+    res = timed_adamw_loop(
+        readout.student, params, step_loss, lr=cfg.lr, seconds=seconds, log=log, label="KL", every=25
+    )
+    return {
+        "steps": res.steps,
+        "distill_seconds": res.seconds,
+        "kl_first": res.first(10),
+        "kl_last": res.last(10),
+    }
 
 
 def fold(readout: _Readout) -> Any:

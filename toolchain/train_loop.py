@@ -1,0 +1,70 @@
+"""The timed optimisation loop the CPU trainers share: AdamW, grad-norm clip, a loss line every few steps.
+
+A trainer supplies the loss of one step (its own batch sampling and forward pass); this runs
+steps until the wall-clock budget is spent, with the module in train mode, and says what it did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    seconds: float
+    losses: list[float]
+
+    def first(self, n: int = 10) -> float | None:
+        """Mean loss of the first n steps (None when no step ran)."""
+        return float(np.mean(self.losses[:n])) if self.losses else None
+
+    def last(self, n: int = 10) -> float | None:
+        """Mean loss of the last n steps (None when no step ran)."""
+        return float(np.mean(self.losses[-n:])) if self.losses else None
+
+
+def timed_adamw_loop(
+    module: torch.nn.Module,
+    params: Sequence[torch.nn.Parameter],
+    step_loss: Callable[[], torch.Tensor],
+    *,
+    lr: float,
+    seconds: float,
+    log: Callable[[str], None],
+    label: str,
+    every: int,
+    clip: float = 1.0,
+    lr_at: Callable[[int], float] | None = None,
+) -> LoopResult:
+    """AdamW (no weight decay) on `params` for `seconds` of wall clock.
+
+    Each step: lr from `lr_at(step)` if given (step counts from 0), loss = step_loss(), backward,
+    clip the gradients' total norm to `clip`, optimizer step. Every `every` steps it logs
+    "step N: <label> <mean of the last `every` losses> (<elapsed> s)". `module` is in train mode
+    during the loop and in eval mode after it.
+    """
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    module.train()
+    t0 = time.perf_counter()
+    step, losses = 0, []
+    while time.perf_counter() - t0 < seconds:
+        if lr_at is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+        loss = step_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        step += 1
+        losses.append(loss.item())
+        if step % every == 0:
+            log(f"step {step}: {label} {np.mean(losses[-every:]):.3f} ({time.perf_counter() - t0:.0f} s)")
+    module.eval()
+    return LoopResult(step, time.perf_counter() - t0, losses)
