@@ -176,13 +176,29 @@ class KVCache:
             raise CacheFullError(f"committing {m} tokens overflows the context ({self.context})")
         lo, hi = self.length, self.length + m
         for i in range(self.layout.n_layers):
-            k_rows = new_rows[f"new_key_{i}"][..., idx]
-            v_rows = new_rows[f"new_value_{i}"][:, :, idx]
-            self.keys[i][..., lo:hi] = k_rows
-            self.values[i][:, :, lo:hi] = v_rows
-            for width, bufs in self._bufs.items():
-                top = min(hi, self.context - width)  # a width-N past holds only CL-N slots
-                if top > lo:
-                    bufs[f"past_key_{i}"][..., lo:top] = k_rows[..., : top - lo]
-                    bufs[f"past_value_{i}"][:, :, lo:top] = v_rows[:, :, : top - lo]
+            self.keys[i][..., lo:hi] = new_rows[f"new_key_{i}"][..., idx]
+            self.values[i][:, :, lo:hi] = new_rows[f"new_value_{i}"][:, :, idx]
+        self._sync_bound(lo, hi)
         self.length = hi
+
+    def move_slots(self, src: Sequence[int], dst0: int) -> None:
+        """Copy committed slots src[j] -> dst0 + j (destinations at or below their sources, in
+        increasing order), in the master buffers and the bound per-width copies. `length` is
+        unchanged: `truncate` afterwards to drop what lies past the moved rows."""
+        for j, s in enumerate(src):
+            d = dst0 + j
+            if s == d:
+                continue
+            for i in range(self.layout.n_layers):
+                self.keys[i][..., d] = self.keys[i][..., s]
+                self.values[i][:, :, d] = self.values[i][:, :, s]
+        self._sync_bound(dst0, dst0 + len(src))
+
+    def _sync_bound(self, lo: int, hi: int) -> None:
+        """Copy master slots [lo, hi) into the per-width past buffers (a width-N past holds only CL-N slots)."""
+        for width, bufs in self._bufs.items():
+            top = min(hi, self.context - width)
+            if top > lo:
+                for i in range(self.layout.n_layers):
+                    bufs[f"past_key_{i}"][..., lo:top] = self.keys[i][..., lo:top]
+                    bufs[f"past_value_{i}"][:, :, lo:top] = self.values[i][:, :, lo:top]

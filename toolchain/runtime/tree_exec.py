@@ -63,25 +63,6 @@ def run_stages(model: StepModel, stages: Sequence, feeds: dict[str, np.ndarray],
     return outs
 
 
-def _move_rows(model: StepModel, src: list[int], dst0: int) -> None:
-    """Copy cache slots src[j] -> dst0 + j (dst <= src, increasing), master and bound copies."""
-    cache = model.cache
-    for j, s in enumerate(src):
-        d = dst0 + j
-        if s == d:
-            continue
-        for i in range(cache.layout.n_layers):
-            cache.keys[i][..., d] = cache.keys[i][..., s]
-            cache.values[i][:, :, d] = cache.values[i][:, :, s]
-    hi = dst0 + len(src)
-    for width, bufs in cache._bufs.items():  # IO-bound per-width past copies (see KVCache)
-        top = min(hi, cache.context - width)
-        if top > dst0:
-            for i in range(cache.layout.n_layers):
-                bufs[f"past_key_{i}"][..., dst0:top] = cache.keys[i][..., dst0:top]
-                bufs[f"past_value_{i}"][:, :, dst0:top] = cache.values[i][:, :, dst0:top]
-
-
 class DraftTree:
     def __init__(self, model: StepModel):
         self.model = model
@@ -146,7 +127,7 @@ class DraftTree:
             if x not in self.slot:
                 break
             src.append(self.slot[x])
-        _move_rows(self.model, src, self.root_slot + 1)
+        self.model.cache.move_slots(src, self.root_slot + 1)
         self.model.cache.truncate(self.root_slot + 1 + len(src))
         self.slot = {}
         return len(src)

@@ -120,3 +120,23 @@ def test_padding_rows_and_overflow():
     with pytest.raises(CacheFullError):
         cache.step_inputs([1], 8)
     cache.step_inputs([1], 4)  # 12 past slots: exactly fits
+
+
+def test_move_slots_moves_rows_down_in_master_and_bound_buffers():
+    cache = KVCache(layout(), rope())
+    cache.buffers(1)
+    cache.buffers(4)  # its past holds CL-4 = 12 slots: a move past slot 12 updates only what it holds
+    cache.commit(rows(14, 0), range(14))
+    before_k = [k.copy() for k in cache.keys]
+    before_v = [v.copy() for v in cache.values]
+    src = [4, 7, 8, 13]  # kept rows, moved down to slots 3..6
+    cache.move_slots(src, 3)
+    assert cache.length == 14  # moving keeps the length; the caller truncates
+    for i in range(LAYERS):
+        np.testing.assert_array_equal(cache.keys[i][..., 3:7], before_k[i][..., src])
+        np.testing.assert_array_equal(cache.values[i][:, :, 3:7], before_v[i][:, :, src])
+        np.testing.assert_array_equal(cache.keys[i][..., :3], before_k[i][..., :3])
+        for w in (1, 4):
+            past = CL - w
+            np.testing.assert_array_equal(cache.buffers(w)[f"past_key_{i}"], cache.keys[i][..., :past])
+            np.testing.assert_array_equal(cache.buffers(w)[f"past_value_{i}"], cache.values[i][:, :, :past])
