@@ -28,6 +28,7 @@ import numpy as np
 
 from toolchain.diffusion.schedule import token_prob
 from toolchain.runtime.model import StepModel
+from toolchain.runtime.spans import overlapped_seconds
 
 _STOP = object()
 
@@ -146,13 +147,5 @@ class RevisionPath:
 def overlap(main: list[tuple[float, float]], side: list[tuple[float, float]]) -> dict[str, float]:
     """Seconds the side path ran, and how much of that ran while the main path was in a call."""
     busy = sum(e - s for s, e in side)
-    both = 0.0
-    j = 0
-    for s, e in side:  # both lists are in time order
-        while j < len(main) and main[j][1] <= s:
-            j += 1
-        k = j
-        while k < len(main) and main[k][0] < e:
-            both += max(0.0, min(e, main[k][1]) - max(s, main[k][0]))
-            k += 1
+    both = overlapped_seconds(main, side)
     return {"revision_s": busy, "overlapped_s": both, "overlap": both / busy if busy else 0.0}

@@ -33,6 +33,7 @@ from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy
 from toolchain.runtime.policies.sampling import Sampler, accept_chain
+from toolchain.runtime.spans import overlapped_seconds
 
 ENTROPY_EDGES = (0.5, 1.5, 3.0)  # nats: confident / fair / unsure / lost
 
@@ -85,16 +86,7 @@ class AhasdStats:
 
     @property
     def overlap_seconds(self) -> float:
-        total, j = 0.0, 0
-        v = self.verify_busy
-        for a, b in self.draft_busy:
-            while j < len(v) and v[j][1] <= a:
-                j += 1
-            k = j
-            while k < len(v) and v[k][0] < b:
-                total += max(0.0, min(b, v[k][1]) - max(a, v[k][0]))
-                k += 1
-        return total
+        return overlapped_seconds(self.verify_busy, self.draft_busy)
 
     @property
     def overlap(self) -> float:
