@@ -56,24 +56,24 @@ def threshold_pick(conf: Sequence[float], threshold: float, at_least: int = 1) -
     return sorted(int(i) for i in picked)
 
 
-def softmax_conf(logits: np.ndarray, banned: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """(argmax token, its probability) per row of logits [n, V], never choosing a banned id."""
+def _softmax(logits: np.ndarray, banned: Sequence[int]) -> np.ndarray:
+    """Row-wise softmax of logits [n, V] in float64, banned ids given probability 0."""
     z = logits.astype(np.float64, copy=True)
     if len(banned):
         z[:, list(banned)] = -np.inf
     z -= z.max(axis=1, keepdims=True)
     e = np.exp(z)
-    p = e / e.sum(axis=1, keepdims=True)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def softmax_conf(logits: np.ndarray, banned: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax token, its probability) per row of logits [n, V], never choosing a banned id."""
+    p = _softmax(logits, banned)
     tok = p.argmax(axis=1)
     return tok, p[np.arange(len(tok)), tok]
 
 
 def token_prob(logits: np.ndarray, tokens: Sequence[int], banned: Sequence[int] = ()) -> np.ndarray:
     """Probability each row gives to a given token (for keep/revision checks)."""
-    z = logits.astype(np.float64, copy=True)
-    if len(banned):
-        z[:, list(banned)] = -np.inf
-    z -= z.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    p = e / e.sum(axis=1, keepdims=True)
+    p = _softmax(logits, banned)
     return p[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)]
