@@ -105,9 +105,7 @@ class HubClient(Protocol):
     ) -> HubJob: ...
     def submit_profile(
         self, model: HubJob | Path, device: HubDevice, *, name: str, options: str = ""
-    ) -> HubJob:
-        return self._submit_inference(model, device, None, name, options, profile=True)
-
+    ) -> HubJob: ...
     def submit_inference(
         self,
         model: HubJob | Path,
@@ -116,25 +114,8 @@ class HubClient(Protocol):
         *,
         name: str,
         options: str = "",
-    ) -> HubJob:
-        return self._submit_inference(model, device, inputs, name, options, profile=False)
-
-    def _submit_inference(self, model: HubJob | Path, device: HubDevice, inputs: dict[str, list[Any]] | None,
-                          name: str, options: str, profile: bool) -> HubJob:
-        """Profiling is an inference job with profile=True (submit_profile_job is deprecated)."""
-        kind = "profile" if profile else "inference"
-        action = f"submit the {kind} job for {name}"
-        with translate_errors(action):
-            handle = self.backend.submit_inference_job(
-                model=self._model(model, action),
-                device=self._device(device),
-                inputs=inputs,
-                name=name,
-                options=options,
-                profile=profile,
-            )
-        return self._job(handle, kind, name)
-
+    ) -> HubJob: ...
+    def wait(self, job: HubJob, timeout: float | None = None) -> None: ...
     def get_job(self, job_id: str, kind: str = "") -> HubJob: ...
     def download_target_model(self, job: HubJob, dest: Path) -> Path: ...
     def download_profile(self, job: HubJob, dest: Path) -> Path: ...
@@ -288,17 +269,7 @@ class RealHubClient:
     def submit_profile(
         self, model: HubJob | Path, device: HubDevice, *, name: str, options: str = ""
     ) -> HubJob:
-        action = f"submit the profile job for {name}"
-        with translate_errors(action):
-            handle = self.backend.submit_inference_job(
-                model=self._model(model, action),
-                device=self._device(device),
-                inputs=None,
-                name=name,
-                options=options,
-                profile=True,
-            )
-        return self._job(handle, "profile", name)
+        return self._submit_inference(model, device, None, name, options, profile=True)
 
     def submit_inference(
         self,
@@ -309,7 +280,20 @@ class RealHubClient:
         name: str,
         options: str = "",
     ) -> HubJob:
-        action = f"submit the inference job for {name}"
+        return self._submit_inference(model, device, inputs, name, options, profile=False)
+
+    def _submit_inference(
+        self,
+        model: HubJob | Path,
+        device: HubDevice,
+        inputs: dict[str, list[Any]] | None,
+        name: str,
+        options: str,
+        profile: bool,
+    ) -> HubJob:
+        """Profiling is an inference job with profile=True (submit_profile_job is deprecated)."""
+        kind = "profile" if profile else "inference"
+        action = f"submit the {kind} job for {name}"
         with translate_errors(action):
             handle = self.backend.submit_inference_job(
                 model=self._model(model, action),
@@ -317,9 +301,9 @@ class RealHubClient:
                 inputs=inputs,
                 name=name,
                 options=options,
-                profile=False,
+                profile=profile,
             )
-        return self._job(handle, "inference", name)
+        return self._job(handle, kind, name)
 
     def get_job(self, job_id: str, kind: str = "") -> HubJob:
         with translate_errors(f"find job {job_id}"):
