@@ -1,4 +1,4 @@
-"""CLI of issue 7: `mobc adapter pack|train|verify`, `mobc train forecast`, `mobc bench ctg|ds2d`.
+"""CLI of issue 7: `mobc adapter pack|train|verify|qnn`, `mobc train forecast`, `mobc bench ctg|ds2d`.
 
 The bench and train commands attach to runtime_cli's `bench` and `train` groups, so they sit
 beside `bench decode` and `train draft`. Registered in toolchain/cli.py.
@@ -96,6 +96,41 @@ def verify_cmd(
     console.print(table)
     if json_out:
         json_out.write_text(json.dumps(res, indent=1))
+
+
+@adapter_app.command("qnn")
+def qnn_cmd(
+    artifact: Path = typer.Argument(..., help="artifact compiled with lora_inputs and a qnn: section"),
+    adapters: list[str] = typer.Argument(..., help="packed adapter names (the zero adapter is always run)"),
+    tokens: int = typer.Option(16, "--tokens", help="greedy tokens per request"),
+    ctg_steps: int = typer.Option(4, "--ctg-steps", help="CTG steps mixing the adapters per row (0: none)"),
+) -> None:
+    """Adapters bound to the artifact's QNN HTP context binaries vs the CPU EP, call by call (no recompile)."""
+    from toolchain.lora_qnn import RESULT_FILE, check_adapters
+
+    res = check_adapters(artifact, adapters, tokens, ctg_steps, log=_log)
+    table = Table(title=f"{res['artifact']}: emulated HTP vs CPU EP, same inputs per call")
+    cols = ("run", "calls", "rows", "max |logits diff|", "median", "max |KV diff|", "argmax =", "effect")
+    for col in (*cols, "HTP s"):
+        table.add_column(col, justify="right" if col != "run" else "left")
+    runs = [(r["adapter"], r) for r in res["requests"]]
+    if res["ctg"]:
+        runs.append((f"ctg {'/'.join(res['ctg']['styles'])}", res["ctg"]))
+    for name, r in runs:
+        effect = r.get("adapter_effect_max_abs")  # max |logits(adapter) - logits(base)| on the CPU
+        table.add_row(
+            name,
+            str(r["calls"]),
+            str(r["rows"]),
+            f"{r['logits_max_abs']:.4g}",
+            f"{r['logits_median_abs']:.4g}",
+            f"{r['kv_max_abs']:.4g}",
+            f"{r['argmax_agreement'] * 100:.1f}%",
+            "—" if effect is None else f"{effect:.3f}",
+            f"{r['htp_seconds']:.0f}",
+        )
+    console.print(table)
+    console.print(f"[dim]records: {artifact / 'qnn' / RESULT_FILE}[/]")
 
 
 @train_app.command("forecast")
