@@ -147,24 +147,29 @@ class GraphCalibrator:
         return self.calibrator.compute_data()
 
 
-def cache_key(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int) -> str:
-    """Content hash of everything the ranges depend on: graphs, weights, text, sample plan."""
-    h = hashlib.sha256(json.dumps([sessions.manifest["weights"]["sha256"], samples, seed, CACHE_VERSION,
+def cache_key(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int,
+              variant: str = "") -> str:
+    """Content hash of everything the ranges depend on: graphs (and the rewrite `variant` calibrated
+    in their place), weights, text, sample plan."""
+    h = hashlib.sha256(json.dumps([sessions.manifest["weights"]["sha256"], samples, seed, CACHE_VERSION, variant,
                                    [st.record["sha256"] for st in sessions.chain(family)]]).encode())
     h.update(np.asarray(tokens, np.int64).tobytes())
     return h.hexdigest()[:32]
 
 
 def calibrate_family(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int,
-                     work: Path) -> dict[str, TensorsData]:
+                     work: Path, graphs: dict[str, Path] | None = None, variant: str = "") -> dict[str, TensorsData]:
     """Ranges of every float tensor of each stage graph of `family`, cached by content hash (so a
-    W4A16 and a W4A8 compile of the same graphs calibrate once)."""
+    W4A16 and a W4A8 compile of the same graphs calibrate once).
+
+    graphs: stage name -> an equivalent rewritten float graph to collect ranges on instead (the
+    artifact's own graphs still fill the cache); `variant` names that rewrite in the cache key."""
     chain = sessions.chain(family)
-    key = cache_key(sessions, family, tokens, samples, seed)
+    key = cache_key(sessions, family, tokens, samples, seed, variant)
     cached = {st.name: CACHE_DIR / f"{key}-{st.name}.json" for st in chain}
     if all(p.is_file() for p in cached.values()):
         return {name: load_tensors_data(p) for name, p in cached.items()}
-    ranges = _calibrate(sessions, family, tokens, samples, seed, work)
+    ranges = _calibrate(sessions, family, tokens, samples, seed, work, graphs or {})
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     for name, r in ranges.items():
         save_tensors_data(r, cached[name])
@@ -172,9 +177,9 @@ def calibrate_family(sessions: ArtifactSessions, family: str, tokens: list[int],
 
 
 def _calibrate(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int,
-               work: Path) -> dict[str, TensorsData]:
+               work: Path, graphs: dict[str, Path]) -> dict[str, TensorsData]:
     chain = sessions.chain(family)
-    cals = {st.name: GraphCalibrator(sessions.folder / st.record["file"], work) for st in chain}
+    cals = {st.name: GraphCalibrator(graphs.get(st.name, sessions.folder / st.record["file"]), work) for st in chain}
     for feeds in family_feeds(sessions, family, tokens, samples, seed):
         env = dict(feeds)
         for i, st in enumerate(chain):

@@ -36,6 +36,7 @@ from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
 from toolchain.quantize.fuse import fuse_rmsnorm
 from toolchain.quantize.schema import QuantizeSpec
+from toolchain.quantize.source_grid import dequantized, split_grid_weights, write_exact_codes
 
 WEIGHT_QTYPES = {"int4": QuantType.QInt4, "int8": QuantType.QInt8, "int16": QuantType.QInt16}
 # QNN HTP convention: activations unsigned with a zero point (asymmetric)
@@ -238,6 +239,36 @@ def apply_qat_weights(model: onnx.ModelProto, qat: QatResult) -> int:
     return changed
 
 
+def grid_plans(model: onnx.ModelProto, spec: QuantizeSpec) -> dict[str, tuple[str, str, int]]:
+    """Weights whose scheme is block-quantized int4/int8: candidates for keeping their source grid."""
+    inits = {i.name for i in model.graph.initializer}
+    plans = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        o = node_overrides(spec, node.name)
+        wtype = o.get("weights", spec.weights)
+        if o.get("granularity", spec.granularity) == "block" and wtype in ("int4", "int8"):
+            plans[node.input[1]] = (node.name, wtype, spec.block_size)
+    return plans
+
+
+def _exact_codes(dst: Path, fitted: dict[str, Any], block: int) -> None:
+    """Puts the source-grid codes into onnxruntime's output and proves DequantizeLinear is exact."""
+    model = onnx.load(dst)
+    problems = write_exact_codes(model, fitted, block)
+    for name, gw in fitted.items():
+        want = np.repeat(gw.fit.scale, block, axis=0) * gw.fit.codes.astype(np.float32)
+        got = dequantized(model, name)
+        if not np.allclose(got, want, rtol=0, atol=1e-6 * float(np.abs(want).max() or 1.0)):
+            problems.append(f"{name}: dequantized weight differs from the source grid")
+    if problems:
+        raise RuntimeError("source-grid quantization failed: " + "; ".join(problems[:5]))
+    data = dst.name + ".data"
+    (dst.parent / data).unlink(missing_ok=True)
+    onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+
+
 class _ListReader(CalibrationDataReader):
     def __init__(self, feeds: Iterator[dict[str, np.ndarray]]):
         self.feeds = feeds
@@ -246,15 +277,38 @@ class _ListReader(CalibrationDataReader):
         return next(self.feeds, None)
 
 
+def prepare_grid(src: Path, dst: Path, spec: QuantizeSpec) -> dict[str, Any]:
+    """Writes `src` with its source-grid weights split (source_grid.py) to `dst` for calibration and
+    quantization; returns the fitted weights ({} and nothing written when no weight fits)."""
+    model = onnx.load(src)
+    fold_weight_transposes(model)
+    fitted = split_grid_weights(model, grid_plans(model, spec))
+    if fitted:
+        onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=dst.name + ".data")
+    return fitted
+
+
 def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData,
-                   kv_params: dict[str, tuple[float, int]], qat: QatResult | None = None) -> dict[str, Any]:
-    """Float graph file -> QDQ graph file (external data beside it). Returns the weight schemes."""
+                   kv_params: dict[str, tuple[float, int]], qat: QatResult | None = None,
+                   fitted: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Float graph file -> QDQ graph file (external data beside it). Returns the weight schemes.
+
+    fitted: source-grid weights of a `src` written by prepare_grid."""
     model = onnx.load(src)
     folded = fold_weight_transposes(model)
     fused = fuse_rmsnorm(model)
     if qat:
         apply_qat_weights(model, qat)
+    fitted = fitted or {}
     ov, kv, exclude, schemes = build_overrides(model, spec, kv_params, qat, ranges)
+    for name, gw in fitted.items():
+        schemes[name]["source_grid"] = "exact" + (" + block offset" if gw.offset else "")
+        if gw.offset:  # C: small, off-grid; 8-bit blocks along the output axis
+            ov[gw.offset] = [{"quant_type": QuantType.QInt8, "symmetric": True, "axis": 1}]
+            schemes[gw.offset] = {"node": gw.node, "dtype": "int8", "granularity": "block", "axis": 1,
+                                  "symmetric": True, "block_size": spec.block_size}
+            schemes.pop(gw.indicator, None)
     cache = dst.parent / f".{dst.stem}.calib.json"
     # tensors that became initializers (folded transposes) must not keep an activation range
     inits = {i.name for i in model.graph.initializer}
@@ -275,4 +329,6 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
                     activation_type=act, weight_type=WEIGHT_QTYPES[spec.weights], nodes_to_exclude=exclude or None,
                     use_external_data_format=True, extra_options=extra, calibration_cache_path=cache)
     cache.unlink(missing_ok=True)
+    if fitted:
+        _exact_codes(dst, fitted, spec.block_size)
     return {"weights": schemes, "folded_transposes": folded, "fused_rmsnorms": fused, "excluded_nodes": exclude}

@@ -73,6 +73,9 @@ class QuantizeSpec(_Strict):
     overrides: dict[str, Override] = Field(default_factory=dict)
     calibration: Calibration = Calibration()
     qat: QatSpec | None = None
+    # weights already on a block grid of the recipe's type and block size (GGUF Q4_0/Q4_1/Q8_0
+    # sources) keep their exact codes instead of being rounded a second time (source_grid.py)
+    source_grid: bool = True
     eval_tokens: Annotated[int, Field(ge=0, le=65536)] = 1024  # held-out tokens for the compile report's ppl
 
     @model_validator(mode="after")

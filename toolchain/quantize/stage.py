@@ -23,7 +23,7 @@ from toolchain.graphset import GraphEntry, GraphSet
 from toolchain.quantize.calibrate import calibrate_family, corpus_tokens, tensor_range
 from toolchain.quantize.encodings import scheme_summary, write_encodings
 from toolchain.quantize.ppl import QUANT_DIR
-from toolchain.quantize.qdq import KV_PATTERN, QatResult, quantize_graph, uint_params
+from toolchain.quantize.qdq import KV_PATTERN, QatResult, prepare_grid, quantize_graph, uint_params
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.runtime.sessions import ArtifactSessions
 
@@ -44,6 +44,18 @@ def tie_kv(ranges: dict[str, Any], spec: QuantizeSpec) -> tuple[dict[str, tuple[
     params = {k: uint_params(lo, hi, bits) for k, (lo, hi) in union.items()}
     record = {k: {"scale": s, "zero_point": z, "bits": bits, "range": union[k]} for k, (s, z) in params.items()}
     return params, record
+
+
+def prepare_grids(folder: Path, sessions: ArtifactSessions, spec: QuantizeSpec,
+                  work: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Per graph: the float graph with its source-grid weights split, and those weights' exact codes."""
+    out = {}
+    for name, st in sessions.stages.items():
+        path = work / f"{name}.grid.onnx"
+        fitted = prepare_grid(folder / st.record["file"], path, spec)
+        if fitted:
+            out[name] = (path, fitted)
+    return out
 
 
 def share_ranges(folder: Path, sessions: ArtifactSessions, ranges: dict[str, Any]) -> int:
@@ -106,9 +118,15 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: A
         work = Path(tmp)
         ranges: dict[str, Any] = {}
         t = time.perf_counter()
+        grid = prepare_grids(folder, sessions, spec, work) if spec.source_grid and qat is None else {}
+        if grid:
+            timings["source_grid"] = round(time.perf_counter() - t, 2)
+            log(f"source grid kept exact for {sum(len(f) for _, f in grid.values())} weights")
+        graphs_for = {name: path for name, (path, _) in grid.items()}
         for fam in sessions.families():
             ranges.update(calibrate_family(sessions, fam, tokens, spec.calibration.samples,
-                                           spec.calibration.seed, work))
+                                           spec.calibration.seed, work, graphs_for,
+                                           variant="source_grid" if graphs_for else ""))
             log(f"calibrated {fam}")
         timings["calibration"] = round(time.perf_counter() - t, 2)
         shared = share_ranges(folder, sessions, ranges)
@@ -118,7 +136,8 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: A
         schemes: dict[str, Any] = {}
         for name, st in sessions.stages.items():
             dst = work / f"{name}.onnx"
-            schemes[name] = quantize_graph(folder / st.record["file"], dst, spec, ranges[name], kv_params, qat)
+            src, fitted = grid.get(name, (folder / st.record["file"], None))
+            schemes[name] = quantize_graph(src, dst, spec, ranges[name], kv_params, qat, fitted)
             rec = st.record
             graphs.add(GraphEntry(name=name, model=ir.load(dst), family=rec["family"], role=rec["role"],
                                   width=rec["width"], context=rec["context"], stage=rec["stage"],

@@ -1,0 +1,109 @@
+"""Weights already on a GGUF block grid keep their exact codes through int4/int8 quantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny import tiny_model, tiny_tokenizer, write_recipe
+from toolchain.quantize.ppl import eval_artifact
+from toolchain.quantize.schema import QuantizeSpec
+from toolchain.quantize.source_grid import fit_block_grid
+from toolchain.quantize.stage import quantize_artifact
+
+BLOCK = 16
+
+
+def q4_1(w: np.ndarray, block: int) -> np.ndarray:
+    """What llama.cpp's Q4_1 does to a [in, out] weight (blocks along the input axis), in float16 params."""
+    b = w.reshape(-1, block, w.shape[1])
+    mn = b.min(1, keepdims=True).astype(np.float16).astype(np.float32)
+    d = ((b.max(1, keepdims=True) - mn) / 15).astype(np.float16).astype(np.float32)
+    d[d == 0] = 1.0
+    q = np.clip(np.round((b - mn) / d), 0, 15)
+    return (d * q + mn).reshape(w.shape)
+
+
+def q8_0(w: np.ndarray, block: int) -> np.ndarray:
+    b = w.reshape(-1, block, w.shape[1])
+    d = (np.abs(b).max(1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    d[d == 0] = 1.0  # an all-zero block (the padding token's row)
+    return (d * np.round(b / d)).reshape(w.shape)
+
+
+def test_fit_recovers_q4_1_q4_0_and_q8_0_grids():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(64, 24)).astype(np.float32)
+    fit = fit_block_grid(q4_1(w, 32), 32, "int4")
+    assert fit is not None and fit.offset is not None
+    assert fit.codes.min() >= -8 and fit.codes.max() <= 7
+    rebuilt = np.repeat(fit.scale, 32, 0) * fit.codes + np.repeat(fit.offset, 32, 0)
+    np.testing.assert_allclose(rebuilt, q4_1(w, 32), atol=1e-6)
+    codes = rng.integers(-8, 8, size=w.shape)
+    codes[::32] = -8  # Q4_0: the block's largest |w| sits at code -8
+    q40 = np.repeat(np.abs(w).reshape(2, 32, 24).max(1) / 8, 32, 0) * codes
+    fit = fit_block_grid(q40.astype(np.float32), 32, "int4")
+    assert fit is not None and fit.offset is None  # symmetric: no offset branch
+    fit = fit_block_grid(q8_0(w, 32), 32, "int8")
+    assert fit is not None and fit.offset is None and np.abs(fit.codes).max() == 127
+    assert fit_block_grid(w, 32, "int4") is None  # plain float weights are off-grid
+    assert fit_block_grid(q4_1(w, 16), 32, "int4") is None  # other block boundaries: not this grid
+
+
+@pytest.fixture(scope="module")
+def gridded(tmp_path_factory):
+    """A tiny llama whose linear weights are Q4_1 and embedding/lm_head Q8_0 (like the SmolLM2 GGUF)."""
+    from toolchain.pipeline import compile_recipe
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:  # torch [out, in]: blocks run along `in`
+                grid = q8_0 if "embed" in name or "lm_head" in name else q4_1
+                p.copy_(torch.from_numpy(grid(p.numpy().T.copy(), BLOCK).T.copy()))
+    root = tmp_path_factory.mktemp("grid")
+    model.save_pretrained(root / "llama")
+    tiny_tokenizer().save_pretrained(root / "llama")
+    recipe = write_recipe(root / "g.yaml", root / "llama", name="tinygrid",
+                          graphs="  decode: {width: 1, context: 64}\n  prefill: {width: 8, context: 64}\n")
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 2"))
+    return compile_recipe(recipe).out_dir
+
+
+def _quantized_logits_gap(artifact, tokenizer, **spec) -> float:
+    quantize_artifact(artifact, QuantizeSpec(weights="int4", granularity="block", block_size=BLOCK,
+                                             activations="int16", calibration={"samples": 4}, **spec), tokenizer)
+    rows = eval_artifact(artifact, 160, tokenizer=tokenizer)["rows"]
+    return abs(rows["w4a16"]["ppl"] / rows["float"]["ppl"] - 1)
+
+
+def test_source_grid_is_exact_and_beats_requantizing(gridded, tmp_path):
+    import json
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    from toolchain.quantize.source_grid import dequantized
+
+    tok = tiny_tokenizer()
+    art = tmp_path / "a"
+    shutil.copytree(gridded, art)
+    overrides = {"lm_head*": {"weights": "int8"}}
+    exact = _quantized_logits_gap(art, tok, overrides=overrides)
+    man = json.loads((art / "quantized" / "manifest.json").read_text())
+    schemes = man["quantization"]["weights_by_graph"]["decode"]
+    kept = [n for n, s in schemes.items() if s.get("source_grid")]
+    assert len(kept) == 2 * 7 + 1  # every linear of both layers + the lm_head (int8 blocks)
+    assert all(schemes[n]["source_grid"].endswith("block offset") for n in kept if "lm_head" not in n)
+    # the dequantized int4 weight plus its block offset is the float graph's weight
+    q = onnx.load(art / "quantized" / "decode.onnx")
+    f = onnx.load(art / "decode.onnx")
+    fw = {i.name: numpy_helper.to_array(i) for i in f.graph.initializer}
+    name = next(n for n in kept if "q_proj" in n)
+    off = dequantized(q, f"{name}.block_offset")
+    got = dequantized(q, name) + np.repeat(off, BLOCK, axis=0)
+    np.testing.assert_allclose(got, fw[name], atol=2e-3 * np.abs(fw[name]).max())
+    requant = _quantized_logits_gap(art, tok, overrides=overrides, source_grid=False)
+    assert exact < requant, (exact, requant)

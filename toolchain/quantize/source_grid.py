@@ -1,0 +1,195 @@
+"""Keep weights that already sit on a block quantization grid exact.
+
+The real models mobc compiles offline come from GGUF files: SmolLM2's linear layers are Q4_1
+(per block of 32 input elements: w = d*q + m, q in 0..15) and its embedding is Q8_0 (w = d*q,
+q in -127..127). Requantizing such a weight with a fresh symmetric int4 grid rounds every element
+a second time, which is where most of a W4 scheme's perplexity loss came from. If the source grid
+is reused instead, the int4 graph computes the very weights the float graph does:
+
+    w = d*q + m = d*k + c      with k = q - 8 in -8..7 (symmetric int4) and c = m + 8d per block
+
+so   x @ W = x @ (d*k)  +  blocksum(x) @ C,    C[b, o] = c of block b, output o.
+
+The first term is a symmetric block-int4 weight with scale d (exact); the second is two tiny
+MatMuls (x @ S with S the 0/1 block indicator, then @ C), 1/32 of the main MatMul's work. Q4_0 and
+Q8_0 grids are symmetric already (c = 0) and need no offset branch.
+
+Flow: `split_grid_weights` rewrites the float graph before onnxruntime quantizes it and returns
+the exact integer codes; `write_exact_codes` replaces onnxruntime's rounded codes and scales with
+them afterwards and checks that DequantizeLinear now reproduces the source weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+INT_RANGE = {"int4": (-8, 7), "int8": (-128, 127)}
+NUMPY_INT = {"int4": ml_dtypes.int4, "int8": np.int8}
+
+
+@dataclass
+class GridFit:
+    """W[in, out] = repeat(d, block) * k + repeat(c, block) along the input axis."""
+
+    codes: np.ndarray  # int k, [in, out]
+    scale: np.ndarray  # d, [in/block, out]
+    offset: np.ndarray | None  # c, [in/block, out]; None when the grid is symmetric
+    dtype: str  # int4 | int8
+
+
+def fit_block_grid(w: np.ndarray, block: int, dtype: str) -> GridFit | None:
+    """The exact block grid of a [in, out] weight, or None when some block is off every grid.
+
+    Per block: the symmetric grid (Q4_0/Q8_0: the largest |w| at code -8, +7 or +-127) or, for
+    int4, the asymmetric one (Q4_1: block min at code 0, max at 15, so an offset). Tolerance:
+    float32 rounding of the dequantized source.
+    """
+    rows, cols = w.shape
+    if rows % block:
+        return None
+    lo_code, hi_code = INT_RANGE[dtype]
+    b = w.astype(np.float64).reshape(rows // block, block, cols)
+    amax = np.abs(b).max(1)
+    tol = 1e-5 * np.maximum(amax, 1e-12)
+
+    def fits(d: np.ndarray, k: np.ndarray, base: np.ndarray) -> np.ndarray:
+        err = np.abs(k * d[:, None, :] + base[:, None, :] - b).max(1)
+        return (k.min(1) >= lo_code) & (k.max(1) <= hi_code) & (err <= tol)
+
+    codes = np.zeros(b.shape, np.int64)
+    scale = np.ones(amax.shape)
+    offset = np.zeros(amax.shape)
+    done = np.zeros(amax.shape, bool)
+    zero = np.zeros(amax.shape)
+    for steps in sorted({-lo_code, hi_code}, reverse=True):
+        d = np.where(amax > 0, amax / steps, 1.0)
+        k = np.round(b / d[:, None, :])
+        ok = fits(d, k, zero) & ~done
+        codes, scale, done = np.where(ok[:, None, :], k, codes), np.where(ok, d, scale), done | ok
+    if dtype == "int4" and not done.all():
+        mn, mx = b.min(1), b.max(1)
+        d = np.where(mx > mn, (mx - mn) / (hi_code - lo_code), 1.0)
+        c = mn - lo_code * d  # w = d*q + mn = d*(q + lo_code) + (mn - lo_code*d)
+        k = np.round((b - mn[:, None, :]) / d[:, None, :]) + lo_code
+        ok = fits(d, k, c) & ~done
+        codes, scale, done = np.where(ok[:, None, :], k, codes), np.where(ok, d, scale), done | ok
+        offset = np.where(ok, c, offset)
+    if not done.all():
+        return None
+    return GridFit(codes.reshape(rows, cols).astype(np.int8), scale.astype(np.float32),
+                   offset.astype(np.float32) if offset.any() else None, dtype)
+
+
+@dataclass
+class GridWeight:
+    fit: GridFit
+    node: str
+    indicator: str | None = None  # S initializer of the offset branch
+    offset: str | None = None  # C initializer
+
+
+def split_grid_weights(model: onnx.ModelProto, plans: dict[str, tuple[str, str, int]]) -> dict[str, GridWeight]:
+    """Rewrites MatMul weights that fit their source grid; `plans` maps weight name -> (node, dtype, block).
+
+    Returns the fitted weights (by initializer name) for `write_exact_codes`. Off-grid weights are
+    left alone (they are quantized the ordinary way).
+    """
+    inits = {i.name: i for i in model.graph.initializer}
+    nodes = list(model.graph.node)
+    fitted: dict[str, GridWeight] = {}
+    out_nodes = []
+    for node in nodes:
+        out_nodes.append(node)
+        if node.op_type != "MatMul" or node.input[1] not in plans or node.input[1] not in inits:
+            continue
+        _, dtype, block = plans[node.input[1]]
+        w = numpy_helper.to_array(inits[node.input[1]])
+        if w.ndim != 2:
+            continue
+        fit = fit_block_grid(w, block, dtype)
+        if fit is None:
+            continue
+        gw = GridWeight(fit, node.name)
+        fitted[node.input[1]] = gw
+        if fit.offset is None:
+            continue
+        # y = x @ (d*k) + (x @ S) @ C; the symmetric part replaces W under W's name
+        sym = np.repeat(fit.scale, block, axis=0) * fit.codes.astype(np.float32)
+        inits[node.input[1]].CopyFrom(numpy_helper.from_array(sym.astype(np.float32), node.input[1]))
+        base, n_blocks = node.input[1], w.shape[0] // block
+        gw.indicator, gw.offset = f"{base}.block_indicator", f"{base}.block_offset"
+        indicator = np.kron(np.eye(n_blocks, dtype=np.float32), np.ones((block, 1), np.float32))
+        model.graph.initializer.extend([numpy_helper.from_array(indicator, gw.indicator),
+                                        numpy_helper.from_array(fit.offset, gw.offset)])
+        prefix = node.name.rpartition("/")[0] or node.name
+        y = node.output[0]
+        main = f"{y}.grid_main"
+        node.output[0] = main
+        out_nodes += [
+            helper.make_node("MatMul", [node.input[0], gw.indicator], [f"{y}.blocksum"], name=f"{prefix}/blocksum"),
+            helper.make_node("MatMul", [f"{y}.blocksum", gw.offset], [f"{y}.grid_offset"], name=f"{prefix}/block_offset"),
+            helper.make_node("Add", [main, f"{y}.grid_offset"], [y], name=f"{prefix}/grid_add"),
+        ]
+    del model.graph.node[:]
+    model.graph.node.extend(out_nodes)
+    return fitted
+
+
+def _dq_inputs(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    """DequantizeLinear node by the float tensor name it stands for (onnxruntime's W_quantized)."""
+    return {n.input[0].removesuffix("_quantized"): n for n in model.graph.node
+            if n.op_type == "DequantizeLinear" and n.input[0].endswith("_quantized")}
+
+
+def _set(inits: dict[str, onnx.TensorProto], name: str, arr: np.ndarray) -> None:
+    inits[name].CopyFrom(numpy_helper.from_array(arr, name))
+
+
+def write_exact_codes(model: onnx.ModelProto, fitted: dict[str, GridWeight], block: int) -> list[str]:
+    """Overwrites onnxruntime's codes/scales of fitted weights with the exact ones; returns problems."""
+    inits = {i.name: i for i in model.graph.initializer}
+    dq = _dq_inputs(model)
+    problems = []
+    for name, gw in fitted.items():
+        node = dq.get(name)
+        if node is None or _attr(node, "block_size") != block or _attr(node, "axis") != 0:
+            problems.append(f"{name}: not block-quantized along the input axis with block {block}")
+            continue
+        codes = gw.fit.codes.astype(NUMPY_INT[gw.fit.dtype])
+        if inits[node.input[0]].data_type != numpy_helper.from_array(codes).data_type:
+            problems.append(f"{name}: quantized as another integer type than {gw.fit.dtype}")
+            continue
+        _set(inits, node.input[0], codes)
+        _set(inits, node.input[1], gw.fit.scale)
+        if len(node.input) > 2 and node.input[2]:
+            _set(inits, node.input[2], np.zeros(gw.fit.scale.shape, dtype=codes.dtype))
+        if gw.indicator is not None:
+            ind = dq.get(gw.indicator)
+            if ind is None:
+                problems.append(f"{gw.indicator}: the offset branch's indicator was not quantized")
+                continue
+            shape = tuple(inits[ind.input[1]].dims)
+            old = numpy_helper.to_array(inits[ind.input[0]])
+            _set(inits, ind.input[0], (old.astype(np.float32) != 0).astype(np.int8).astype(old.dtype))
+            _set(inits, ind.input[1], np.ones(shape, np.float32))
+    return problems
+
+
+def _attr(node: onnx.NodeProto, name: str) -> int | None:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
+
+
+def dequantized(model: onnx.ModelProto, name: str) -> np.ndarray:
+    """What a blocked DequantizeLinear computes for weight `name` (symmetric: zero point 0)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    node = _dq_inputs(model)[name]
+    q = numpy_helper.to_array(inits[node.input[0]]).astype(np.float32)
+    s = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
+    axis = _attr(node, "axis") or 0
+    block = _attr(node, "block_size") or q.shape[axis]
+    return q * np.take(np.repeat(s, block, axis=axis), np.arange(q.shape[axis]), axis=axis)
