@@ -93,7 +93,7 @@ def scheme_summary(enc: dict[str, Any]) -> dict[str, Any]:
     def count(table: dict[str, Any]) -> dict[str, int]:
         out: dict[str, int] = {}
         for e in table.values():
-            k = f"{e[0]['bitwidth']}-bit" + (" per-channel" if len(e) > 1 else "")
+            k = f"{e[0]['bitwidth']}-bit" + (" per-channel/block" if len(e) > 1 else "")
             out[k] = out.get(k, 0) + 1
         return out
 
