@@ -211,14 +211,16 @@ def _qat_lookup(table: dict[str, Any], node_name: str) -> Any:
     return None
 
 
-def apply_qat_weights(model: onnx.ModelProto, qat: QatResult) -> int:
+def apply_qat_weights(model: onnx.ModelProto, qat: QatResult, skip: set[str] = frozenset()) -> int:
     """Writes fine-tuned weights and clips each output channel to its learned limit, so
-    onnxruntime's symmetric min/max scale (max|w| / qmax) equals the learned scale."""
+    onnxruntime's symmetric min/max scale (max|w| / qmax) equals the learned scale.
+
+    skip: nodes whose weights keep their exact source grid (clipping would move them off it)."""
     inits = {i.name: i for i in model.graph.initializer}
     changed = 0
     for node in model.graph.node:
         widx = WEIGHT_OPS.get(node.op_type)
-        if widx is None or len(node.input) <= widx or node.input[widx] not in inits:
+        if widx is None or len(node.input) <= widx or node.input[widx] not in inits or node.name in skip:
             continue
         clip = _qat_lookup(qat.weight_clip, node.name)
         new_w = _qat_lookup(qat.weights, node.name)
@@ -298,8 +300,8 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     model = onnx.load(src)
     folded = fold_weight_transposes(model)
     fused = fuse_rmsnorm(model)
-    if qat:
-        apply_qat_weights(model, qat)
+    if qat:  # learned activation ranges apply everywhere; weight clips only off the source grid
+        apply_qat_weights(model, qat, skip={gw.node for gw in (fitted or {}).values()})
     fitted = fitted or {}
     ov, kv, exclude, schemes = build_overrides(model, spec, kv_params, qat, ranges)
     for name, gw in fitted.items():

@@ -118,7 +118,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: A
         work = Path(tmp)
         ranges: dict[str, Any] = {}
         t = time.perf_counter()
-        grid = prepare_grids(folder, sessions, spec, work) if spec.source_grid and qat is None else {}
+        grid = prepare_grids(folder, sessions, spec, work) if spec.source_grid else {}
         if grid:
             timings["source_grid"] = round(time.perf_counter() - t, 2)
             log(f"source grid kept exact for {sum(len(f) for _, f in grid.values())} weights")
