@@ -301,7 +301,7 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     folded = fold_weight_transposes(model)
     fused = fuse_rmsnorm(model)
     if qat:  # learned activation ranges apply everywhere; weight clips only off the source grid
-        apply_qat_weights(model, qat, skip={gw.node for gw in (fitted or {}).values()})
+        apply_qat_weights(model, qat, skip={n for gw in (fitted or {}).values() for n in gw.nodes})
     fitted = fitted or {}
     ov, kv, exclude, schemes = build_overrides(model, spec, kv_params, qat, ranges)
     for name, gw in fitted.items():

@@ -92,6 +92,12 @@ class GridWeight:
     indicator: str | None = None  # S initializer of the offset branch
     offset: str | None = None  # C initializer
 
+    @property
+    def nodes(self) -> set[str]:
+        """The weight's MatMul and its offset branch's nodes (named by split_grid_weights)."""
+        prefix = self.node.rpartition("/")[0] or self.node
+        return {self.node, f"{prefix}/blocksum", f"{prefix}/block_offset"}
+
 
 def split_grid_weights(model: onnx.ModelProto, plans: dict[str, tuple[str, str, int]]) -> dict[str, GridWeight]:
     """Rewrites MatMul weights that fit their source grid; `plans` maps weight name -> (node, dtype, block).

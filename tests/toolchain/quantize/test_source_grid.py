@@ -107,3 +107,26 @@ def test_source_grid_is_exact_and_beats_requantizing(gridded, tmp_path):
     np.testing.assert_allclose(got, fw[name], atol=2e-3 * np.abs(fw[name]).max())
     requant = _quantized_logits_gap(art, tok, overrides=overrides, source_grid=False)
     assert exact < requant, (exact, requant)
+
+
+def test_qat_keeps_source_grid_weights_exact(gridded, tmp_path):
+    """QAT learns activation ranges; its weight clipping must not touch grid weights or their offset branch."""
+    import shutil
+
+    import onnx
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.quantize.source_grid import dequantized, fit_block_grid
+
+    torch.set_num_threads(1)
+    art = tmp_path / "a"
+    shutil.copytree(gridded, art)
+    model = AutoModelForCausalLM.from_pretrained(gridded.parent.parent / "llama", attn_implementation="eager")
+    spec = QuantizeSpec(method="qat", weights="int4", granularity="block", block_size=BLOCK, activations="int8",
+                        calibration={"samples": 2}, qat={"steps": 2, "seq_len": 16, "lr": 0.05})
+    quantize_artifact(art, spec, tiny_tokenizer(), model.eval())
+    q = onnx.load(art / "quantized" / "decode.onnx")
+    w = model.model.layers[0].mlp.down_proj.weight.detach().numpy().T  # [in, out]
+    fit = fit_block_grid(w, BLOCK, "int4")
+    name = "layers.0.mlp.down_proj.weight"
+    np.testing.assert_allclose(dequantized(q, name), np.repeat(fit.scale, BLOCK, 0) * fit.codes, atol=1e-6)
