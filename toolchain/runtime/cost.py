@@ -210,9 +210,9 @@ class GraphCost:
         return self.shared_weight_bytes + sum(self.layer_weight_bytes.values())
 
     def __add__(self, other: GraphCost) -> GraphCost:
-        """Chain two calls of one forward pass (parts of a split graph); widths must match."""
-        if other.width != self.width:
-            raise ValueError(f"cannot chain widths {self.width} and {other.width}")
+        """Chain two calls of one forward pass (parts of a split graph). The result keeps this call's
+        width; a later stage at another width (a prefill's lm_head on its last row only) adds its
+        own total FLOPs."""
         if other.precision != self.precision:
             raise ValueError(f"cannot chain precisions {self.precision} and {other.precision}")
         layers = dict(self.layer_weight_bytes)
@@ -222,7 +222,7 @@ class GraphCost:
             self,
             layer_weight_bytes=layers,
             shared_weight_bytes=self.shared_weight_bytes + other.shared_weight_bytes,
-            flops_per_token=self.flops_per_token + other.flops_per_token,
+            flops_per_token=self.flops_per_token + other.flops / self.width,
             kv_bytes=self.kv_bytes + other.kv_bytes,
             io_bytes=self.io_bytes + other.io_bytes,
             calls=self.calls + other.calls,

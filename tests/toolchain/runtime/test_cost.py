@@ -113,7 +113,7 @@ def test_placed_residency_is_shared_by_parts_and_chains_add_overheads():
     assert cm.call_latency(part1).flash_bytes == 0
     assert cm.call_latency(whole).overhead_s == pytest.approx(0.002)
     with pytest.raises(ValueError):
-        part1 + GraphCost(width=4)
+        part1 + GraphCost(precision="int16")
 
 
 def test_builtin_profiles_and_aliases():
@@ -245,3 +245,13 @@ def test_layer_index_names():
 def test_missing_onnx_file_is_a_clear_error(tmp_path):
     with pytest.raises(MobcError, match="no such .onnx file"):
         graph_cost(tmp_path / "nope.onnx")
+
+
+def test_chaining_a_narrower_stage_adds_its_total_flops():
+    # a prefill split into a width-128 body and an lm_head that scores only the last row
+    body = GraphCost(layer_weight_bytes={0: 10 * MB}, flops_per_token=1e9, width=128)
+    head = GraphCost(shared_weight_bytes=5 * MB, flops_per_token=6e7, width=1)
+    total = body + head
+    assert total.width == 128 and total.calls == 2
+    assert total.flops == pytest.approx(128 * 1e9 + 6e7)
+    assert total.weight_bytes == 15 * MB
