@@ -41,6 +41,11 @@ class GridFit:
     offset: np.ndarray | None  # c, [in/block, out]; None when the grid is symmetric
     dtype: str  # int4 | int8
 
+    def symmetric(self) -> np.ndarray:
+        """d*k [in, out] in float32: the part a symmetric block DequantizeLinear reproduces."""
+        block = self.codes.shape[0] // self.scale.shape[0]
+        return np.repeat(self.scale, block, axis=0) * self.codes.astype(np.float32)
+
 
 def fit_block_grid(w: np.ndarray, block: int, dtype: str) -> GridFit | None:
     """The exact block grid of a [in, out] weight, or None when some block is off every grid.
@@ -93,10 +98,14 @@ class GridWeight:
     offset: str | None = None  # C initializer
 
     @property
+    def prefix(self) -> str:
+        """Name prefix of the offset branch's nodes: the projection's, e.g. layers.0.mlp.down_proj."""
+        return self.node.rpartition("/")[0] or self.node
+
+    @property
     def nodes(self) -> set[str]:
-        """The weight's MatMul and its offset branch's nodes (named by split_grid_weights)."""
-        prefix = self.node.rpartition("/")[0] or self.node
-        return {self.node, f"{prefix}/blocksum", f"{prefix}/block_offset"}
+        """The weight's MatMul and its offset branch's MatMuls."""
+        return {self.node, f"{self.prefix}/blocksum", f"{self.prefix}/block_offset"}
 
 
 def split_grid_weights(model: onnx.ModelProto, plans: dict[str, tuple[str, str, int]]) -> dict[str, GridWeight]:
@@ -125,15 +134,13 @@ def split_grid_weights(model: onnx.ModelProto, plans: dict[str, tuple[str, str, 
         if fit.offset is None:
             continue
         # y = x @ (d*k) + (x @ S) @ C; the symmetric part replaces W under W's name
-        sym = np.repeat(fit.scale, block, axis=0) * fit.codes.astype(np.float32)
-        inits[node.input[1]].CopyFrom(numpy_helper.from_array(sym.astype(np.float32), node.input[1]))
+        inits[node.input[1]].CopyFrom(numpy_helper.from_array(fit.symmetric(), node.input[1]))
         base, n_blocks = node.input[1], w.shape[0] // block
         gw.indicator, gw.offset = f"{base}.block_indicator", f"{base}.block_offset"
         indicator = np.kron(np.eye(n_blocks, dtype=np.float32), np.ones((block, 1), np.float32))
         model.graph.initializer.extend([numpy_helper.from_array(indicator, gw.indicator),
                                         numpy_helper.from_array(fit.offset, gw.offset)])
-        prefix = node.name.rpartition("/")[0] or node.name
-        y = node.output[0]
+        prefix, y = gw.prefix, node.output[0]
         main = f"{y}.grid_main"
         node.output[0] = main
         out_nodes += [
@@ -157,7 +164,8 @@ def _set(inits: dict[str, onnx.TensorProto], name: str, arr: np.ndarray) -> None
 
 
 def write_exact_codes(model: onnx.ModelProto, fitted: dict[str, GridWeight], block: int) -> list[str]:
-    """Overwrites onnxruntime's codes/scales of fitted weights with the exact ones; returns problems."""
+    """Overwrites onnxruntime's codes/scales of fitted weights with the exact ones and checks that
+    DequantizeLinear now reproduces each source grid; returns the problems found."""
     inits = {i.name: i for i in model.graph.initializer}
     dq = _dq_inputs(model)
     problems = []
@@ -183,6 +191,11 @@ def write_exact_codes(model: onnx.ModelProto, fitted: dict[str, GridWeight], blo
             old = numpy_helper.to_array(inits[ind.input[0]])
             _set(inits, ind.input[0], (old.astype(np.float32) != 0).astype(np.int8).astype(old.dtype))
             _set(inits, ind.input[1], np.ones(shape, np.float32))
+    for name, gw in fitted.items():
+        want = gw.fit.symmetric()
+        if name in dq and not np.allclose(dequantized(model, name), want, rtol=0,
+                                          atol=1e-6 * float(np.abs(want).max() or 1.0)):
+            problems.append(f"{name}: dequantized weight differs from the source grid")
     return problems
 
 

@@ -8,6 +8,7 @@ and feeds it exactly what KVCache builds for the float graphs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -56,6 +57,15 @@ def prepare_grids(folder: Path, sessions: ArtifactSessions, spec: QuantizeSpec,
         if fitted:
             out[name] = (path, fitted)
     return out
+
+
+def grid_variant(grid: dict[str, tuple[Path, dict[str, Any]]]) -> str:
+    """Cache-key name of the rewrite calibrated: which weights were split, and with an offset branch
+    (another recipe may split other weights, e.g. an lm_head kept per channel)."""
+    if not grid:
+        return ""
+    split = sorted((g, w, gw.offset is not None) for g, (_, fitted) in grid.items() for w, gw in fitted.items())
+    return "source_grid:" + hashlib.sha256(json.dumps(split).encode()).hexdigest()[:16]
 
 
 def share_ranges(folder: Path, sessions: ArtifactSessions, ranges: dict[str, Any]) -> int:
@@ -122,11 +132,11 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: A
         if grid:
             timings["source_grid"] = round(time.perf_counter() - t, 2)
             log(f"source grid kept exact for {sum(len(f) for _, f in grid.values())} weights")
+            t = time.perf_counter()
         graphs_for = {name: path for name, (path, _) in grid.items()}
         for fam in sessions.families():
             ranges.update(calibrate_family(sessions, fam, tokens, spec.calibration.samples,
-                                           spec.calibration.seed, work, graphs_for,
-                                           variant="source_grid" if graphs_for else ""))
+                                           spec.calibration.seed, work, graphs_for, grid_variant(grid)))
             log(f"calibrated {fam}")
         timings["calibration"] = round(time.perf_counter() - t, 2)
         shared = share_ranges(folder, sessions, ranges)
