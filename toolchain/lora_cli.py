@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from toolchain.errors import MobcError
+from toolchain.report import rich_table
 from toolchain.runtime_cli import bench_app, train_app
 
 console = Console()
@@ -85,15 +86,13 @@ def verify_cmd(
     from toolchain.adapter_verify import verify_adapters
 
     res = verify_adapters(artifact, adapters, _source(artifact), tokens, greedy, log=_log)
-    table = Table(title=f"{res['artifact']}: adapters vs PEFT on {res['tokens']} tokens of real text")
-    for col in ("adapter", "rank", "|art-peft|", "|art-merged|", "|peft-merged|", "|peft-base| (effect)",
-                "|art0-base|", f"greedy {greedy} == peft"):
-        table.add_column(col, justify="right" if col != "adapter" else "left")
-    for r in res["rows"]:
-        table.add_row(r["adapter"], str(r["rank"]), f"{r['artifact_vs_peft']:.2e}", f"{r['artifact_vs_merged']:.2e}",
-                      f"{r['peft_vs_merged']:.2e}", f"{r['peft_vs_base']:.3f}", f"{r['zero_vs_base']:.2e}",
-                      str(r["greedy_identical"]))
-    console.print(table)
+    head = ["adapter", "rank", "|art-peft|", "|art-merged|", "|peft-merged|", "|peft-base| (effect)",
+            "|art0-base|", f"greedy {greedy} == peft"]
+    body = [[r["adapter"], str(r["rank"]), f"{r['artifact_vs_peft']:.2e}", f"{r['artifact_vs_merged']:.2e}",
+             f"{r['peft_vs_merged']:.2e}", f"{r['peft_vs_base']:.3f}", f"{r['zero_vs_base']:.2e}",
+             str(r["greedy_identical"])] for r in res["rows"]]
+    title = f"{res['artifact']}: adapters vs PEFT on {res['tokens']} tokens of real text"
+    console.print(rich_table(title, (head, body), numeric=True))
     if json_out:
         json_out.write_text(json.dumps(res, indent=1))
 
@@ -109,16 +108,14 @@ def qnn_cmd(
     from toolchain.lora_qnn import RESULT_FILE, check_adapters
 
     res = check_adapters(artifact, adapters, tokens, ctg_steps, log=_log)
-    table = Table(title=f"{res['artifact']}: emulated HTP vs CPU EP, same inputs per call")
-    cols = ("run", "calls", "rows", "max |logits diff|", "median", "max |KV diff|", "argmax =", "effect")
-    for col in (*cols, "HTP s"):
-        table.add_column(col, justify="right" if col != "run" else "left")
+    head = ["run", "calls", "rows", "max |logits diff|", "median", "max |KV diff|", "argmax =", "effect", "HTP s"]
+    body = []
     runs = [(r["adapter"], r) for r in res["requests"]]
     if res["ctg"]:
         runs.append((f"ctg {'/'.join(res['ctg']['styles'])}", res["ctg"]))
     for name, r in runs:
         effect = r.get("adapter_effect_max_abs")  # max |logits(adapter) - logits(base)| on the CPU
-        table.add_row(
+        body.append([
             name,
             str(r["calls"]),
             str(r["rows"]),
@@ -128,8 +125,9 @@ def qnn_cmd(
             f"{r['argmax_agreement'] * 100:.1f}%",
             "—" if effect is None else f"{effect:.3f}",
             f"{r['htp_seconds']:.0f}",
-        )
-    console.print(table)
+        ])
+    console.print(rich_table(f"{res['artifact']}: emulated HTP vs CPU EP, same inputs per call", (head, body),
+                             numeric=True))
     console.print(f"[dim]records: {artifact / 'qnn' / RESULT_FILE}[/]")
 
 

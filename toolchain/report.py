@@ -100,11 +100,12 @@ def timing_rows(m: dict[str, Any]) -> Rows:
     return ["stage", "seconds"], [[k, f"{v:.2f}"] for k, v in m.get("timings", {}).items()]
 
 
-def rich_table(title: str, rows: Rows) -> Table:
+def rich_table(title: str, rows: Rows, numeric: bool = False) -> Table:
+    """numeric: every column after the first holds numbers (right-justified)."""
     head, body = rows
     table = Table(title=title, title_justify="left")
-    for h in head:
-        table.add_column(h)
+    for i, h in enumerate(head):
+        table.add_column(h, justify="right" if numeric and i else "left")
     for r in body:
         table.add_row(*r)
     return table
