@@ -56,6 +56,8 @@ class DistillConfig:
     seed: int = 0
     corpus_tokens: int = 65_536  # most training tokens the teacher pass may cover
     eval_tokens: int = 1024
+    generated_windows: int = 0  # extra windows of the target's own greedy continuations (on-policy data)
+    prompt_len: int = 64  # stdlib prompt tokens each generated window starts from
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
@@ -140,6 +142,34 @@ def corpus(tokenizer: Any, n_tokens: int, eval_tokens: int, seed: int = 0) -> tu
 def _windows(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
     n = len(tokens) // seq_len
     return torch.from_numpy(tokens[: n * seq_len].reshape(n, seq_len))
+
+
+@torch.no_grad()
+def target_continuations(teacher: Any, tokens: np.ndarray, n_windows: int, seq_len: int, prompt_len: int,
+                         batch: int, seed: int = 0, seconds: float = float("inf")) -> torch.Tensor:
+    """[n, seq_len] windows: a real stdlib prompt of `prompt_len` tokens, then the target's greedy continuation.
+
+    Speculative decoding is judged on the target's own greedy output, so distilling on it
+    (DistillSpec's on-policy data) teaches the draft what it will be asked to predict, which
+    stdlib text alone does not (the target does not continue code the way the file does).
+    End-of-text is suppressed so every window is full length.
+    """
+    if n_windows <= 0:
+        return torch.zeros(0, seq_len, dtype=torch.long)
+    if not 0 < prompt_len < seq_len:
+        raise DraftTrainError(f"prompt length {prompt_len} must be between 1 and the window {seq_len} - 1")
+    rng = np.random.default_rng(seed + 17)
+    starts = rng.integers(0, len(tokens) - prompt_len, size=n_windows)
+    t0, out = time.perf_counter(), []
+    new = seq_len - prompt_len
+    for i in range(0, n_windows, batch):
+        prompts = torch.from_numpy(np.stack([tokens[s : s + prompt_len] for s in starts[i : i + batch]]))
+        seq = teacher.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                               min_new_tokens=new, do_sample=False, pad_token_id=0)
+        out.append(seq[:, :seq_len])
+        if time.perf_counter() - t0 > seconds:
+            break
+    return torch.cat(out)
 
 
 @torch.no_grad()
@@ -302,19 +332,38 @@ def train_draft(recipe_path: Path, out_dir: Path, layers: str, cfg: DistillConfi
     train, held = corpus(loaded.tokenizer, cfg.corpus_tokens, cfg.eval_tokens, cfg.seed)
     w_train, w_held = _windows(train, cfg.seq_len), _windows(held, cfg.seq_len)
     t_loop = time.perf_counter()
+    gen_budget = cfg.seconds * cfg.teacher_share / 2
+    w_gen = target_continuations(teacher, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, cfg.batch,
+                                 cfg.seed, gen_budget)
+    # held-out on-policy windows: the target's continuations of prompts from files never trained on
+    w_gen_held = target_continuations(teacher, held, min(4, cfg.generated_windows), cfg.seq_len, cfg.prompt_len,
+                                      cfg.batch, cfg.seed + 1)
+    if len(w_gen):
+        log(f"target continuations: {len(w_gen)} windows ({len(w_gen) * (cfg.seq_len - cfg.prompt_len):,} generated "
+            f"tokens) in {time.perf_counter() - t_loop:.0f} s")
+        # interleave so a time-bounded teacher pass covers both kinds of text
+        k = min(len(w_gen), len(w_train))
+        mixed = torch.cat([w_gen[:k], w_train[:k]], 1).reshape(-1, cfg.seq_len)
+        w_train = torch.cat([mixed, w_gen[k:], w_train[k:]])
     prefix = len(cfg.layers) if cfg.layers == list(range(len(cfg.layers))) else None
     s_held, _ = teacher_states(teacher, w_held, float("inf"), cfg.batch, log)
+    s_gen_held, _ = teacher_states(teacher, w_gen_held, float("inf"), cfg.batch, log) if len(w_gen_held) else (None, None)
     teacher_left = cfg.seconds * cfg.teacher_share - (time.perf_counter() - t_loop)
     s_train, f_train = teacher_states(teacher, w_train, teacher_left, cfg.batch, log, prefix)
     w_train = w_train[: len(s_train)]
     student.model.norm.weight.data.fill_(1.0)  # the lens takes over the final norm's scale
     readout = _Readout(student, fit_lens(student, w_train, s_train, cfg.ridge, cfg.batch, f_train))
     lens_only = agreement(readout, w_held, s_held)
-    log(f"held-out top-1 agreement with the target after the lens fit: {lens_only:.3f}")
+    on_policy = {"lens": agreement(readout, w_gen_held, s_gen_held)} if s_gen_held is not None else {}
+    log(f"held-out top-1 agreement with the target after the lens fit: {lens_only:.3f}"
+        + (f" (on the target's own continuations {on_policy['lens']:.3f})" if on_policy else ""))
     snapshot = copy.deepcopy(readout.state_dict())
     stats = distill(readout, w_train, s_train, cfg, cfg.seconds - (time.perf_counter() - t_loop), log)
     after = agreement(readout, w_held, s_held) if stats["steps"] else lens_only
-    log(f"held-out top-1 agreement after {stats['steps']} distillation steps: {after:.3f}")
+    if s_gen_held is not None:
+        on_policy["distilled"] = agreement(readout, w_gen_held, s_gen_held)
+    log(f"held-out top-1 agreement after {stats['steps']} distillation steps: {after:.3f}"
+        + (f" (on the target's own continuations {on_policy['distilled']:.3f})" if on_policy else ""))
     kept = "distilled" if stats["steps"] else "lens-only"
     if after < lens_only:  # too few steps to help (or overfit): keep the closed-form lens
         readout.load_state_dict(snapshot)
@@ -326,6 +375,7 @@ def train_draft(recipe_path: Path, out_dir: Path, layers: str, cfg: DistillConfi
     report = {"target": recipe.name, "target_source": loaded.description, "config": asdict(cfg),
               "params": sum(p.numel() for p in model.parameters()), "train_tokens": int(s_train.shape[0] * cfg.seq_len),
               "agreement_lens": lens_only, "agreement_distilled": after, "kept": kept,
+              "agreement_on_target_continuations": on_policy, "generated_windows": len(w_gen),
               "loop_seconds": time.perf_counter() - t_loop, "total_seconds": time.perf_counter() - t_start, **stats}
     (out_dir / "draft_report.json").write_text(json.dumps(report, indent=2))
     return report

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.toolchain.quantize.test_qdq import load
 from toolchain.quantize import qat as qat_mod
+from toolchain.quantize.encodings import by_name
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.stage import quantize_artifact
 
@@ -58,9 +59,10 @@ def test_qat_scales_land_in_the_graph(artifact, tokenizer, tiny_src, monkeypatch
     lo, hi = res.act_range["layers.0.mlp.down_proj"]
     float_graph = onnx.load(artifact / "decode.onnx", load_external_data=False)
     act_in = next(n.input[0] for n in float_graph.graph.node if n.name == "layers.0.mlp.down_proj/MatMul")
-    enc = json.loads((artifact / "quantized" / "decode.encodings.json").read_text())["activation_encodings"][act_in]
-    assert enc[0]["bitwidth"] == 8
-    np.testing.assert_allclose(enc[0]["scale"], (hi - lo) / 255, rtol=1e-4)
+    acts = json.loads((artifact / "quantized" / "decode.encodings.json").read_text())["activation_encodings"]
+    enc = by_name(acts)[act_in]
+    assert enc["bw"] == 8 and enc["enc_type"] == "PER_TENSOR"
+    np.testing.assert_allclose(enc["scale"], [(hi - lo) / 255], rtol=1e-4)
 
 
 def test_qat_simulates_the_graph_input_types(compiled):

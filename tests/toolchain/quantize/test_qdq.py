@@ -10,6 +10,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from toolchain.quantize.encodings import by_name
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.stage import quantize_artifact
 from toolchain.runtime.greedy import greedy
@@ -69,13 +70,16 @@ def test_weights_exact_on_grid_and_encodings_match(artifact, tokenizer, spec):
         requant = np.round(deq / (np.repeat(scale, 16, axis=attrs["axis"]) if "block_size" in attrs else scale))
         np.testing.assert_array_equal(requant, qw)
         # the encodings JSON carries the graph's scales, with AIMET's signed offset convention
-        e = enc["param_encodings"][dq.input[0].removesuffix("_quantized")]
-        np.testing.assert_allclose([x["scale"] for x in e], scale.ravel(), rtol=1e-6)
-        assert {x["bitwidth"] for x in e} == {bits} and {x["offset"] for x in e} == {-(2 ** (bits - 1))}
+        e = by_name(enc["param_encodings"])[dq.input[0].removesuffix("_quantized")]
+        np.testing.assert_allclose(np.reshape(e["scale"], e["scale_shape"]), scale, rtol=1e-6)
+        assert e["bw"] == bits and set(e["offset"]) == {-(2 ** (bits - 1))} and e["is_sym"]
+        assert e["enc_type"] == ("PER_BLOCK" if spec["granularity"] == "block" else "PER_CHANNEL")
+        assert e.get("block_size") == spec.get("block_size") and e["axis"] == attrs["axis"]
         n_checked += 1
     assert n_checked >= 14  # 7 linears per layer x 2 layers (+ lm_head)
     # activations are unsigned (QNN convention) at the requested width
-    act_bits = {e[0]["bitwidth"] for e in enc["activation_encodings"].values()}
+    assert enc["version"] == "1.0.0"
+    act_bits = {e["bw"] for e in enc["activation_encodings"]}
     assert (16 if spec["activations"] == "int16" else 8) in act_bits
     # sizes drop: int4/int8 weights are smaller than float
     man = json.loads((q / "manifest.json").read_text())
@@ -84,11 +88,11 @@ def test_weights_exact_on_grid_and_encodings_match(artifact, tokenizer, spec):
 
 def test_kv_encodings_tied_across_inputs_outputs_and_families(artifact, tokenizer):
     q = quantize(artifact, tokenizer, activations="int16", kv_cache="int8")
-    encs = {g: json.loads((q / f"{g}.encodings.json").read_text())["activation_encodings"]
+    encs = {g: by_name(json.loads((q / f"{g}.encodings.json").read_text())["activation_encodings"])
             for g in ("decode", "prefill")}
     for i in range(2):
         for kind in ("key", "value"):
-            seen = {(e[0]["scale"], e[0]["offset"], e[0]["bitwidth"])
+            seen = {(tuple(e["scale"]), tuple(e["offset"]), e["bw"])
                     for g in encs.values() for name in (f"past_{kind}_{i}", f"new_{kind}_{i}")
                     for e in [g[name]]}
             assert len(seen) == 1, (kind, i, seen)
@@ -110,11 +114,12 @@ def test_overrides_by_pattern(artifact, tokenizer):
     assert by_node["lm_head/MatMul"] == onnx.TensorProto.INT8
     assert by_node["layers.0.self_attn.q_proj/MatMul"] == onnx.TensorProto.INT4
     assert "layers.1.mlp.down_proj/MatMul" not in by_node  # excluded: float weights
-    acts = json.loads((q / "decode.encodings.json").read_text())["activation_encodings"]
+    acts = by_name(json.loads((q / "decode.encodings.json").read_text())["activation_encodings"])
     norm_out = next(n.output[0] for n in onnx.load(artifact / "decode.onnx", load_external_data=False).graph.node
                     if n.name == "layers.0.input_layernorm/Mul_1")
-    assert acts[norm_out][0]["bitwidth"] == 16
-    assert acts["input_ids" if "input_ids" in acts else next(iter(acts))][0]["bitwidth"] in (8, 16)
+    assert acts[norm_out]["bw"] == 16
+    # everything not matched by the override keeps the recipe's 8-bit activations
+    assert sum(e["bw"] == 8 for e in acts.values()) > sum(e["bw"] == 16 for e in acts.values())
 
 
 def test_quantized_artifact_runs_with_the_runtime_cache(artifact, tokenizer):

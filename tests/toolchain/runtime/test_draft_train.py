@@ -21,6 +21,7 @@ from toolchain.runtime.draft_train import (
     fit_lens,
     fold,
     parse_layers,
+    target_continuations,
     teacher_states,
 )
 
@@ -70,3 +71,20 @@ def test_lens_distill_fold_roundtrip(tmp_path):
                                    rtol=1e-4, atol=1e-4)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "config.json").is_file() and 0.0 <= lens <= 1.0
+
+
+def test_target_continuations_are_the_targets_greedy_tokens():
+    torch.manual_seed(0)
+    teacher = tiny_model("llama").eval()
+    ids = np.asarray(tiny_tokenizer()(Path(os.__file__).read_text()).input_ids[:2048], dtype=np.int64)
+    w = target_continuations(teacher, ids, n_windows=3, seq_len=24, prompt_len=8, batch=2, seed=0)
+    assert w.shape == (3, 24)
+    text = ids.tolist()
+    for row in w.tolist():
+        start = next(i for i in range(len(text) - 8) if text[i : i + 8] == row[:8])  # a real prompt
+        assert start >= 0
+        with torch.no_grad():  # every generated token is the target's argmax after its prefix
+            logits = teacher(torch.tensor([row])).logits[0]
+        assert logits[7:-1].argmax(-1).tolist() == row[8:]
+    with pytest.raises(DraftTrainError):
+        target_continuations(teacher, ids, 1, seq_len=8, prompt_len=8, batch=1)
