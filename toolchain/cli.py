@@ -182,7 +182,7 @@ def eval_qnn(
     from toolchain.report import rich_table
 
     q = artifact / "quantized"
-    r = check_quantized(q, out or q / "qnn", tokens)
+    r = check_quantized(q, out or q / "qnn", tokens, log=lambda m: err_console.print(f"[dim]{m}[/]"))
     rows = [[g, f"{v['context_bytes'] / 1e6:,.1f} MB", f"{v['build_seconds']:.1f}", f"{v['worst_max_abs']:.4g}",
              v["worst_output"], f"{(v['argmax_agreement'] or 0) * 100:.1f}%"] for g, v in r["graphs"].items()]
     console.print(rich_table("QNN HTP vs CPU QDQ", (["graph", "context", "build s", "max |diff|", "worst",

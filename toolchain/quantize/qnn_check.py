@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ class ContextSessions(ArtifactSessions):
         return self._sessions[name]
 
 
-def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int], n: int) -> dict[str, Any]:
+def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int], n: int,
+                    log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     fam = decode_family(cpu)
     layout = cpu.layout(fam)
     caches = [KVCache(layout, cpu.rope), KVCache(layout, cpu.rope)]
@@ -50,12 +52,16 @@ def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int]
             logits = run_tokens(sess, pre, cache, ids[s : s + width], width)
         last.append(logits[-1])
     agree, diffs, tokens = [], [], []
-    for _ in range(n):
+    t0 = time.perf_counter()
+    for i in range(n):
         a, b = last
         agree.append(int(np.argmax(a) == np.argmax(b)))
         diffs.append(float(np.abs(a - b).max()))
         tok = int(np.argmax(a))  # the CPU simulation decides; the HTP follows
         tokens.append(tok)
+        if (i + 1) % 8 == 0 or i + 1 == n:  # an emulated HTP decode step takes seconds: show it moving
+            log(f"lockstep token {i + 1}/{n}: argmax agreement {np.mean(agree) * 100:.1f}%, max |logit diff| "
+                f"{max(diffs):.3g}, {(time.perf_counter() - t0) / (i + 1):.1f} s/token")
         if caches[0].free(layout.width) < 1:
             break
         last = [run_tokens(s, fam, c, [tok], layout.width)[-1] for s, c in zip((cpu, htp), caches, strict=True)]
@@ -64,7 +70,8 @@ def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int]
 
 
 def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: int = 57,
-                    htp_arch: int = 75, prompt: str = "def fibonacci(n):\n") -> dict[str, Any]:
+                    htp_arch: int = 75, prompt: str = "def fibonacci(n):\n",
+                    log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     qnn.require()
     cpu = ArtifactSessions(qdir)
     opts = qnn.provider_options(soc_model, htp_arch, fp16=False)
@@ -76,6 +83,7 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
         feeds = next(iter(family_feeds(cpu, fam, held, 1, seed=1)))
         for st in cpu.chain(fam):
             path = qdir / st.record["file"]
+            log(f"building the HTP context binary of {st.name}")
             b = qnn.build_context_binary(path, out, soc_model, htp_arch, fp16=False, name=st.name)
             ctx[st.name] = b.model
             cmp = qnn.run_and_compare(path, b.model, {k: feeds[k] for k in st.input_names if k in feeds}, opts)
@@ -88,7 +96,7 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
                                "htp_emulated_seconds": round(cmp.qnn_seconds, 3)}
     t = time.perf_counter()
     htp = ContextSessions(qdir, ctx, opts)
-    greedy = lockstep_greedy(cpu, htp, tokenizer_ids(prompt).input_ids, greedy_tokens)
+    greedy = lockstep_greedy(cpu, htp, tokenizer_ids(prompt).input_ids, greedy_tokens, log)
     greedy["seconds"] = round(time.perf_counter() - t, 1)
     result = {"soc_model": soc_model, "htp_arch": htp_arch, "graphs": graphs, "greedy": greedy}
     (out / "qnn_check.json").write_text(json.dumps(result, indent=1) + "\n")
