@@ -301,10 +301,10 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     ov, kv, exclude, schemes = build_overrides(model, spec, kv_params, qat, ranges)
     for name, gw in fitted.items():
         schemes[name]["source_grid"] = "exact" + (" + block offset" if gw.offset else "")
-        if gw.offset:  # C: small, off-grid; 8-bit blocks along the output axis
-            ov[gw.offset] = [{"quant_type": QuantType.QInt8, "symmetric": True, "axis": 1}]
-            schemes[gw.offset] = {"node": gw.node, "dtype": "int8", "granularity": "block", "axis": 1,
-                                  "symmetric": True, "block_size": spec.block_size}
+        if gw.offset:  # C: small and off-grid; write_exact_codes makes it 8-bit per output channel
+            ov[gw.offset] = [{"quant_type": QuantType.QInt8, "symmetric": True, "axis": 0}]
+            schemes[gw.offset] = {"node": gw.node, "dtype": "int8", "granularity": "per_channel", "axis": 1,
+                                  "symmetric": True}
             schemes.pop(gw.indicator, None)
     cache = dst.parent / f".{dst.stem}.calib.json"
     # tensors that became initializers (folded transposes) must not keep an activation range
