@@ -108,14 +108,52 @@ def htp_findings(model: ir.Model) -> list[Finding]:
     return found
 
 
+_BLOCK_A8 = (
+    "block-quantized weights (block_size {block}) meet an 8-bit activation; HTP runs block-wise weights "
+    "only with 16-bit activations (measured: the same MatMul runs with uint16)",
+    "use `activations: int16` for these nodes (a recipe override such as `\"*proj*\": {{activations: int16}}`) "
+    "or `granularity: per_channel`",
+)
+
+
+def quantized_matmul_reasons(onnx_path: Path) -> dict[str, tuple[str, str]]:
+    """node name -> (problem, fix) for QDQ MatMuls HTP rejects: block weights with 8-bit activations."""
+    import onnx
+
+    try:
+        model = onnx.load(onnx_path, load_external_data=False)
+    except Exception as exc:  # a lint failure must not hide the backend's error
+        log.debug("cannot read %s: %s", onnx_path, exc)
+        return {}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    dtype = {i.name: i.data_type for i in model.graph.initializer}
+    eight_bit = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or len(node.input) < 2:
+            continue
+        x, w = producer.get(node.input[0]), producer.get(node.input[1])
+        if not (x and w and x.op_type == w.op_type == "DequantizeLinear" and len(x.input) > 2):
+            continue
+        block = next((onnx.helper.get_attribute_value(a) for a in w.attribute if a.name == "block_size"), None)
+        if block and dtype.get(x.input[2]) in eight_bit:
+            out[node.name] = (_BLOCK_A8[0].format(block=block), _BLOCK_A8[1])
+    return out
+
+
 def explain_failure(onnx_path: Path, error: str, log_text: str, limit: int = 8) -> str:
     """A user-facing message for a failed QNN session over onnx_path."""
     first = error.strip().splitlines()[0] if error.strip() else "unknown error"
     bad = unsupported_nodes(log_text)
     if bad:
         lines = [f"QNN HTP does not support {len(bad)} node(s) of {onnx_path.name}:"]
+        reasons = quantized_matmul_reasons(onnx_path) if any(op == "MatMul" for _, op in bad) else {}
         for node, op in bad[:limit]:
-            lines.append(f"  {op} {node!r}: {FIXES.get(op, 'replace it with ops HTP supports (a pass)')}")
+            if node in reasons:
+                problem, fix = reasons[node]
+                lines.append(f"  {op} {node!r}: {problem}; fix: {fix}")
+            else:
+                lines.append(f"  {op} {node!r}: {FIXES.get(op, 'replace it with ops HTP supports (a pass)')}")
         if len(bad) > limit:
             lines.append(f"  ... and {len(bad) - limit} more")
         return "\n".join(lines)

@@ -26,3 +26,15 @@ def test_quantized_graphs_build_and_follow_the_cpu_simulation(compiled, tmp_path
     assert g["tokens"] == 8 and g["argmax_agreement"] >= 0.75 and g["logits_max_abs"] < 0.05
     assert any(m.startswith("lockstep token 8/8") for m in lines)
     assert json.loads((tmp_path / "qnn_check.json").read_text())["greedy"]["tokens"] == 8
+
+
+@pytest.mark.qnn
+@pytest.mark.skipif(not AVAILABLE, reason=f"onnxruntime-qnn unavailable: {REASON}")
+def test_block_weights_with_8bit_activations_are_explained(artifact, tokenizer, tmp_path):
+    from toolchain.quantize.schema import QuantizeSpec
+    from toolchain.quantize.stage import quantize_artifact
+
+    quantize_artifact(artifact, QuantizeSpec(weights="int4", granularity="block", block_size=16,
+                                             activations="int8", calibration={"samples": 2}), tokenizer)
+    with pytest.raises(qnn.QnnCompileError, match=r"(?s)MatMul 'layers\.0\..*16-bit activations.*per_channel"):
+        qnn.build_context_binary(artifact / "quantized" / "decode.onnx", tmp_path)
