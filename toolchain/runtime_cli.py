@@ -192,6 +192,8 @@ def train_draft(
     generated: int = typer.Option(0, "--generated-windows",
                                   help="also distill on this many windows of the target's own greedy continuations "
                                        "of stdlib prompts (on-policy data; what speculative decoding is judged on)"),
+    init: Path | None = typer.Option(None, "--init", help="continue distilling a draft this command saved "
+                                                           "(--layers is then taken from it)"),
     recipe_out: Path | None = typer.Option(None, "--recipe-out", help="also write a recipe compiling the draft"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source."""
@@ -200,7 +202,7 @@ def train_draft(
     from toolchain.runtime.draft_train import train_draft as run_train
 
     cfg = DistillConfig(seconds=minutes * 60, seq_len=seq_len, batch=batch, lr=lr, corpus_tokens=corpus_tokens,
-                        generated_windows=generated)
+                        generated_windows=generated, init=str(init) if init else None)
     report = run_train(recipe, out, layers, cfg, log=lambda m: err.print(f"[dim]{m}[/]"))
     console.print(f"[bold green]draft[/] {out}: {report['params'] / 1e6:.1f}M params, layers {report['config']['layers']}, "
                   f"held-out top-1 agreement with the target: lens {report['agreement_lens']:.3f}, distilled "

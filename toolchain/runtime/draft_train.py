@@ -56,6 +56,7 @@ class DistillConfig:
     seed: int = 0
     corpus_tokens: int = 65_536  # most training tokens the teacher pass may cover
     eval_tokens: int = 1024
+    init: str | None = None  # continue from a draft this tool saved (its folder) instead of deriving one
     generated_windows: int = 0  # extra windows of the target's own greedy continuations (on-policy data)
     prompt_len: int = 64  # stdlib prompt tokens each generated window starts from
 
@@ -300,6 +301,28 @@ def distill(readout: _Readout, windows: torch.Tensor, states: torch.Tensor, cfg:
     }
 
 
+def unfold(draft_dir: Path, teacher: Any) -> tuple[Any, torch.Tensor, list[int]]:
+    """A saved draft back as (student, lens M, target layers it keeps), to continue distilling it.
+
+    The saved lm_head is E @ M with E the target's embedding, so M is recovered by least squares.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if not (draft_dir / "config.json").is_file():
+        raise DraftTrainError(f"--init {draft_dir}: not a draft folder (no config.json); give a folder "
+                              "`mobc train draft --out` wrote")
+    student = AutoModelForCausalLM.from_pretrained(draft_dir, attn_implementation="eager").float().eval()
+    embed = teacher.get_input_embeddings().weight.detach()
+    if student.get_input_embeddings().weight.shape != embed.shape or not torch.equal(
+            student.get_input_embeddings().weight, embed):
+        raise DraftTrainError(f"--init {draft_dir}: its embeddings are not this target's; it was made for another model")
+    lens = torch.linalg.lstsq(embed.double(), student.lm_head.weight.detach().double()).solution.float()
+    report = draft_dir / "draft_report.json"
+    layers = (json.loads(report.read_text())["config"]["layers"] if report.is_file()
+              else list(range(student.config.num_hidden_layers)))
+    return student, lens.contiguous(), layers
+
+
 def fold(readout: _Readout) -> Any:
     """A plain HF model: untied lm_head = E @ M, everything else the student's."""
     from transformers import AutoModelForCausalLM
@@ -326,9 +349,13 @@ def train_draft(recipe_path: Path, out_dir: Path, layers: str, cfg: DistillConfi
     for p in teacher.parameters():
         p.requires_grad = False
     n_layers = teacher.config.num_hidden_layers
-    cfg.layers = parse_layers(layers, n_layers)
-    log(f"target {recipe.name}: {n_layers} layers; draft keeps {cfg.layers}")
-    student = derive_draft(teacher, cfg.layers)
+    if cfg.init:
+        student, init_lens, cfg.layers = unfold(Path(cfg.init), teacher)
+        log(f"target {recipe.name}: {n_layers} layers; continuing the draft in {cfg.init} (layers {cfg.layers})")
+    else:
+        cfg.layers = parse_layers(layers, n_layers)
+        log(f"target {recipe.name}: {n_layers} layers; draft keeps {cfg.layers}")
+        student = derive_draft(teacher, cfg.layers)
     train, held = corpus(loaded.tokenizer, cfg.corpus_tokens, cfg.eval_tokens, cfg.seed)
     w_train, w_held = _windows(train, cfg.seq_len), _windows(held, cfg.seq_len)
     t_loop = time.perf_counter()
@@ -345,17 +372,21 @@ def train_draft(recipe_path: Path, out_dir: Path, layers: str, cfg: DistillConfi
         k = min(len(w_gen), len(w_train))
         mixed = torch.cat([w_gen[:k], w_train[:k]], 1).reshape(-1, cfg.seq_len)
         w_train = torch.cat([mixed, w_gen[k:], w_train[k:]])
-    prefix = len(cfg.layers) if cfg.layers == list(range(len(cfg.layers))) else None
+    prefix = len(cfg.layers) if cfg.layers == list(range(len(cfg.layers))) and not cfg.init else None
     s_held, _ = teacher_states(teacher, w_held, float("inf"), cfg.batch, log)
     s_gen_held, _ = teacher_states(teacher, w_gen_held, float("inf"), cfg.batch, log) if len(w_gen_held) else (None, None)
     teacher_left = cfg.seconds * cfg.teacher_share - (time.perf_counter() - t_loop)
     s_train, f_train = teacher_states(teacher, w_train, teacher_left, cfg.batch, log, prefix)
     w_train = w_train[: len(s_train)]
-    student.model.norm.weight.data.fill_(1.0)  # the lens takes over the final norm's scale
-    readout = _Readout(student, fit_lens(student, w_train, s_train, cfg.ridge, cfg.batch, f_train))
+    if cfg.init:
+        readout = _Readout(student, init_lens)
+    else:
+        student.model.norm.weight.data.fill_(1.0)  # the lens takes over the final norm's scale
+        readout = _Readout(student, fit_lens(student, w_train, s_train, cfg.ridge, cfg.batch, f_train))
     lens_only = agreement(readout, w_held, s_held)
     on_policy = {"lens": agreement(readout, w_gen_held, s_gen_held)} if s_gen_held is not None else {}
-    log(f"held-out top-1 agreement with the target after the lens fit: {lens_only:.3f}"
+    start = "as given by --init" if cfg.init else "after the lens fit"
+    log(f"held-out top-1 agreement with the target {start}: {lens_only:.3f}"
         + (f" (on the target's own continuations {on_policy['lens']:.3f})" if on_policy else ""))
     snapshot = copy.deepcopy(readout.state_dict())
     stats = distill(readout, w_train, s_train, cfg, cfg.seconds - (time.perf_counter() - t_loop), log)

@@ -23,6 +23,7 @@ from toolchain.runtime.draft_train import (
     parse_layers,
     target_continuations,
     teacher_states,
+    unfold,
 )
 
 
@@ -88,3 +89,26 @@ def test_target_continuations_are_the_targets_greedy_tokens():
         assert logits[7:-1].argmax(-1).tolist() == row[8:]
     with pytest.raises(DraftTrainError):
         target_continuations(teacher, ids, 1, seq_len=8, prompt_len=8, batch=1)
+
+
+def test_unfold_recovers_a_saved_draft(tmp_path):
+    torch.manual_seed(0)
+    teacher = tiny_model("llama")
+    student = derive_draft(teacher, [0])
+    lens = torch.eye(student.config.hidden_size) + 0.05 * torch.randn(student.config.hidden_size,
+                                                                      student.config.hidden_size)
+    fold(_Readout(student, lens)).save_pretrained(tmp_path / "d")
+    again, got, layers = unfold(tmp_path / "d", teacher)
+    torch.testing.assert_close(got, lens, rtol=1e-3, atol=1e-4)
+    assert layers == [0]  # no report beside it: the first k layers
+    x = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():  # the recovered readout computes the saved draft's logits
+        torch.testing.assert_close(_Readout(again, got).logits(_Readout(again, got).hidden(x)),
+                                   again(x).logits, rtol=1e-4, atol=1e-4)
+    other = tiny_model("llama")
+    with torch.no_grad():
+        other.get_input_embeddings().weight.add_(1.0)
+    with pytest.raises(DraftTrainError, match="another model"):
+        unfold(tmp_path / "d", other)
+    with pytest.raises(DraftTrainError, match="not a draft folder"):
+        unfold(tmp_path, teacher)
