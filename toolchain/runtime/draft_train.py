@@ -360,8 +360,9 @@ def train_draft(recipe_path: Path, out_dir: Path, layers: str, cfg: DistillConfi
     w_train, w_held = _windows(train, cfg.seq_len), _windows(held, cfg.seq_len)
     t_loop = time.perf_counter()
     gen_budget = cfg.seconds * cfg.teacher_share / 2
-    w_gen = target_continuations(teacher, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, cfg.batch,
-                                 cfg.seed, gen_budget)
+    # generation is per-step overhead bound on a CPU: a wide batch costs little more per step than 4
+    w_gen = target_continuations(teacher, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len,
+                                 max(cfg.batch, 16), cfg.seed, gen_budget)
     # held-out on-policy windows: the target's continuations of prompts from files never trained on
     w_gen_held = target_continuations(teacher, held, min(4, cfg.generated_windows), cfg.seq_len, cfg.prompt_len,
                                       cfg.batch, cfg.seed + 1)
