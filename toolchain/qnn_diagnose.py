@@ -108,16 +108,11 @@ def htp_findings(model: ir.Model) -> list[Finding]:
     return found
 
 
-_BLOCK_A8 = (
-    "block-quantized weights (block_size {block}) meet an 8-bit activation; HTP runs block-wise weights "
-    "only with 16-bit activations (measured: the same MatMul runs with uint16)",
-    "use `activations: int16` for these nodes (a recipe override such as `\"*proj*\": {{activations: int16}}`) "
-    "or `granularity: per_channel`",
-)
+def quantized_matmul_findings(onnx_path: Path) -> dict[str, Finding]:
+    """QDQ MatMuls HTP rejects, by node name: block-quantized weights meeting an 8-bit activation.
 
-
-def quantized_matmul_reasons(onnx_path: Path) -> dict[str, tuple[str, str]]:
-    """node name -> (problem, fix) for QDQ MatMuls HTP rejects: block weights with 8-bit activations."""
+    Measured (tiny model, onnxruntime-qnn 2.40): the same MatMul runs with uint16 activations.
+    """
     import onnx
 
     try:
@@ -137,7 +132,14 @@ def quantized_matmul_reasons(onnx_path: Path) -> dict[str, tuple[str, str]]:
             continue
         block = next((onnx.helper.get_attribute_value(a) for a in w.attribute if a.name == "block_size"), None)
         if block and dtype.get(x.input[2]) in eight_bit:
-            out[node.name] = (_BLOCK_A8[0].format(block=block), _BLOCK_A8[1])
+            out[node.name] = Finding(
+                node.name,
+                "MatMul",
+                f"block-quantized weights (block_size {block}) meet an 8-bit activation; HTP runs block-wise "
+                "weights only with 16-bit activations (measured: the same MatMul runs with uint16)",
+                "use `activations: int16` for these nodes (a recipe override such as "
+                "`\"*proj*\": {activations: int16}`) or `granularity: per_channel`",
+            )
     return out
 
 
@@ -147,13 +149,11 @@ def explain_failure(onnx_path: Path, error: str, log_text: str, limit: int = 8) 
     bad = unsupported_nodes(log_text)
     if bad:
         lines = [f"QNN HTP does not support {len(bad)} node(s) of {onnx_path.name}:"]
-        reasons = quantized_matmul_reasons(onnx_path) if any(op == "MatMul" for _, op in bad) else {}
+        known = quantized_matmul_findings(onnx_path) if any(op == "MatMul" for _, op in bad) else {}
         for node, op in bad[:limit]:
-            if node in reasons:
-                problem, fix = reasons[node]
-                lines.append(f"  {op} {node!r}: {problem}; fix: {fix}")
-            else:
-                lines.append(f"  {op} {node!r}: {FIXES.get(op, 'replace it with ops HTP supports (a pass)')}")
+            f = known.get(node)
+            reason = f"{f.problem}; fix: {f.fix}" if f else FIXES.get(op, "replace it with ops HTP supports (a pass)")
+            lines.append(f"  {op} {node!r}: {reason}")
         if len(bad) > limit:
             lines.append(f"  ... and {len(bad) - limit} more")
         return "\n".join(lines)

@@ -191,7 +191,7 @@ def write_exact_codes(model: onnx.ModelProto, fitted: dict[str, GridWeight], blo
             old = numpy_helper.to_array(inits[ind.input[0]])
             _set(inits, ind.input[0], (old.astype(np.float32) != 0).astype(np.int8).astype(old.dtype))
             _set(inits, ind.input[1], np.ones(shape, np.float32))
-            problems += _offset_per_channel(model, inits, dq.get(gw.offset), gw)
+            problems += _offset_per_channel(inits, dq.get(gw.offset), gw)
     for name, gw in fitted.items():
         want = gw.fit.symmetric()
         if name in dq and not np.allclose(dequantized(model, name), want, rtol=0,
@@ -200,8 +200,7 @@ def write_exact_codes(model: onnx.ModelProto, fitted: dict[str, GridWeight], blo
     return problems
 
 
-def _offset_per_channel(model: onnx.ModelProto, inits: dict[str, onnx.TensorProto], node: onnx.NodeProto | None,
-                        gw: GridWeight) -> list[str]:
+def _offset_per_channel(inits: dict[str, onnx.TensorProto], node: onnx.NodeProto | None, gw: GridWeight) -> list[str]:
     """Re-quantizes C [in/block, out] to symmetric int8 per output channel (axis 1, no blocks).
 
     onnxruntime block-quantizes every weight once a block size is set; C's blocks would either
