@@ -27,14 +27,16 @@ def train_diffusion(
     batch: int = typer.Option(4, "--batch"),
     lr: float = typer.Option(2e-4, "--lr"),
     mask_token: str = typer.Option("<empty_output>", "--mask-token", help="an unused special token to use as [MASK]"),
+    init: Path | None = typer.Option(None, "--init", help="continue training a diffusion LM saved by an earlier --out"),
+    seed: int = typer.Option(0, "--seed", help="which windows and masks are drawn (give a new one with --init)"),
 ) -> None:
     """Adapt an AR LM into a masked diffusion LM (Dream-style) on stdlib source; report masked accuracy."""
     from toolchain.diffusion.train import DiffusionTrainConfig
     from toolchain.diffusion.train import train_diffusion as run_train
 
-    cfg = DiffusionTrainConfig(seconds=minutes * 60, seq_len=seq_len, block=block, batch=batch, lr=lr,
+    cfg = DiffusionTrainConfig(seconds=minutes * 60, seq_len=seq_len, block=block, batch=batch, lr=lr, seed=seed,
                                mask_token=mask_token)
-    rep = run_train(recipe, out, cfg, log=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+    rep = run_train(recipe, out, cfg, log=lambda m: err.print(f"[dim]{m}[/]", highlight=False), init=init)
     b, a = rep["accuracy_before"], rep["accuracy_after"]
     table = Table(title=f"held-out masked-token accuracy ({rep['steps']} steps, {rep['seconds']:.0f} s training)")
     for col in ("mask rate", "acc before", "acc after", "NLL before", "NLL after"):

@@ -179,9 +179,30 @@ def save_diffusion(model: Any, tokenizer: Any, mask_id: int, mask_emb: torch.Ten
                                       base_model=base))
 
 
+def _load_init(init: Path, recipe_name: str, cfg: DiffusionTrainConfig) -> tuple[Any, str]:
+    """A saved diffusion LM to continue training from; it must be this recipe's model with the same mask token."""
+    from toolchain.diffusion.form import read_form
+    from toolchain.recipe import SourceSpec
+    from toolchain.source import load
+
+    if not (init / "config.json").is_file():
+        raise DiffusionTrainError(f"--init {init}: no config.json there; give a folder written by "
+                                  "`mobc train diffusion --out`")
+    form = read_form(init)
+    if form is None:
+        raise DiffusionTrainError(f"--init {init} is not a diffusion LM (no diffusion.json); continue from a folder "
+                                  "written by `mobc train diffusion --out`, or drop --init to adapt the recipe's model")
+    loaded = load(SourceSpec(path=str(init.resolve())))
+    if form.mask_token not in (None, cfg.mask_token):
+        raise DiffusionTrainError(f"--init {init} was trained with mask token {form.mask_token!r}, not "
+                                  f"{cfg.mask_token!r}; pass --mask-token {form.mask_token!r}")
+    base = form.base_model or recipe_name
+    return loaded, base
+
+
 def train_diffusion(recipe_path: Path, out_dir: Path, cfg: DiffusionTrainConfig,
-                    log: Callable[[str], None] = print, samples: int = 3) -> dict[str, Any]:
-    """Load the recipe's AR model, adapt it, save it with its marker and a report."""
+                    log: Callable[[str], None] = print, samples: int = 3, init: Path | None = None) -> dict[str, Any]:
+    """Load the recipe's AR model (or continue `init`), adapt it, save it with its marker and a report."""
     from toolchain.diffusion.reference import sample_generations
     from toolchain.recipe import load_recipe
     from toolchain.runtime.draft_train import corpus
@@ -189,14 +210,21 @@ def train_diffusion(recipe_path: Path, out_dir: Path, cfg: DiffusionTrainConfig,
 
     t_start = time.perf_counter()
     recipe = load_recipe(recipe_path)
-    loaded = load(recipe.source, base=recipe_path.parent)
+    if init is not None:
+        loaded, base = _load_init(Path(init), recipe.name, cfg)
+        log(f"continuing the diffusion LM in {init}")
+    else:
+        loaded = load(recipe.source, base=recipe_path.parent)
+        base = loaded.description
     model, tok = loaded.model, loaded.tokenizer
     mask_id = tok.convert_tokens_to_ids(cfg.mask_token)
     if mask_id is None or mask_id == tok.unk_token_id and cfg.mask_token != tok.unk_token:
         raise DiffusionTrainError(f"--mask-token {cfg.mask_token!r} is not a token of {recipe.name}'s vocabulary")
     # sdpa is much faster than eager for training and honours the same additive 4-D mask
     model.config._attn_implementation = "sdpa"
-    train, held = corpus(tok, cfg.corpus_tokens, cfg.eval_tokens, cfg.seed)
+    # the train/held-out split is fixed (seed 0) so a continued run (--init, another --seed) never trains on
+    # the files an earlier run held out; cfg.seed only changes which windows and masks are drawn
+    train, held = corpus(tok, cfg.corpus_tokens, cfg.eval_tokens, 0)
     log(f"corpus: {len(train):,} training / {len(held):,} held-out tokens of stdlib source; mask token "
         f"{cfg.mask_token!r} (id {mask_id})")
     mask_emb = torch.nn.Parameter(model.model.embed_tokens.weight[mask_id].detach().clone())
@@ -206,11 +234,11 @@ def train_diffusion(recipe_path: Path, out_dir: Path, cfg: DiffusionTrainConfig,
     after = masked_accuracy(model, held, cfg, mask_emb)
     log(f"held-out masked-token accuracy after {stats['steps']} steps ({stats['seconds']:.0f} s): {after}")
     model.config._attn_implementation = "eager"
-    save_diffusion(model, tok, mask_id, mask_emb, out_dir, loaded.description)
+    save_diffusion(model, tok, mask_id, mask_emb, out_dir, base)
     gens = sample_generations(model, tok, mask_id, cfg.block, samples)
     for g in gens:
         log(f"sample: {g['prompt']!r} -> {g['completion']!r}")
-    report = {"base": recipe.name, "base_source": loaded.description, "config": asdict(cfg), "mask_token_id": mask_id,
+    report = {"base": recipe.name, "base_source": base, "init": str(init) if init else None, "config": asdict(cfg), "mask_token_id": mask_id,
               "accuracy_before": before, "accuracy_after": after, "samples": gens,
               "loss": "mean CE over masked tokens (no 1/t ELBO weight)",
               "total_seconds": time.perf_counter() - t_start, **stats}
