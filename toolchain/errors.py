@@ -27,3 +27,7 @@ class ArtifactError(MobcError):
 
 class PassError(MobcError):
     """A graph pass was misconfigured or broke the graph."""
+
+
+class QuantizeError(MobcError):
+    """The quantize stage cannot do what the recipe asks."""

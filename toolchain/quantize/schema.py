@@ -9,7 +9,7 @@
         "lm_head*": {weights: int8}
         "*norm*": {activations: int16}
       calibration: {samples: 8, width_tokens: 512}
-      method: ptq                   # or qat (then qat: {...})
+      method: ptq                   # or qat: PTQ, then learned activation encodings (qat: {steps, feeds, lr})
 
 Every bad value is a pydantic error whose location is the dotted key (quantize.overrides.X.y),
 which recipe.py turns into a RecipeError naming that key.
@@ -54,11 +54,12 @@ class Calibration(_Strict):
 
 
 class QatSpec(_Strict):
+    """Graph QAT (graph_qat.py): the QDQ graph's free 8-bit activation encodings are learned."""
+
     steps: Annotated[int, Field(ge=1, le=5000)] = 60
-    seq_len: Annotated[int, Field(ge=8, le=2048)] = 128
-    lr: Annotated[float, Field(gt=0, le=1.0)] = 1e-3
+    feeds: Annotated[int, Field(ge=1, le=256, description="step-graph calls of calibration text")] = 8
+    lr: Annotated[float, Field(gt=0, le=1.0)] = 1e-2  # Adam on log range multipliers: ~1% per step
     temperature: Annotated[float, Field(gt=0)] = 1.0
-    train_weights: bool = False  # scales/clipping only by default: weights stay the float model's
     max_seconds: Annotated[float, Field(gt=0)] = 240.0
 
 

@@ -20,11 +20,12 @@ import numpy as np
 import onnx_ir as ir
 
 from toolchain.artifacts import ROPE, write_graphs, write_manifest
+from toolchain.errors import QuantizeError
 from toolchain.graphset import GraphEntry, GraphSet
-from toolchain.quantize.calibrate import calibrate_family, corpus_tokens, tensor_range
+from toolchain.quantize.calibrate import calibrate_family, corpus_tokens, family_feeds, tensor_range
 from toolchain.quantize.encodings import scheme_summary, write_encodings
 from toolchain.quantize.ppl import QUANT_DIR
-from toolchain.quantize.qdq import KV_PATTERN, QatResult, prepare_grid, quantize_graph, uint_params
+from toolchain.quantize.qdq import KV_PATTERN, prepare_grid, quantize_graph, uint_params
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.runtime.sessions import ArtifactSessions
 
@@ -96,31 +97,40 @@ def share_ranges(folder: Path, sessions: ArtifactSessions, ranges: dict[str, Any
     return changed
 
 
-def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: Any = None,
-                      log: Any = None) -> dict[str, Any]:
-    """Calibrates, (optionally) runs QAT, emits folder/quantized/. Returns the manifest record."""
+def run_graph_qat(sessions: ArtifactSessions, spec: QuantizeSpec, tokens: list[int], work: Path,
+                  schemes: dict[str, Any], log: Any) -> dict[str, Any]:
+    """Learns the free 8-bit activation encodings on the widest graph (graph_qat.py) and writes them
+    into every quantized graph in `work` (decode and prefill share tensor and encoding names)."""
+    from toolchain.quantize.calibrate import filler_family
+    from toolchain.quantize.graph_qat import train_encodings, write_encodings_into
+
+    cfg = spec.qat_spec
+    fam = filler_family(sessions)
+    chain = sessions.chain(fam)
+    if len(chain) != 1:
+        raise QuantizeError(f"method: qat trains on one whole step graph, but family {fam!r} is split into "
+                            f"{len(chain)} parts; quantize before split_layers/split_parts (drop them from "
+                            "passes for the QAT compile) or use method: ptq")
+    name = chain[0].name
+    feeds = list(family_feeds(sessions, fam, tokens, cfg.feeds + 1, seed=spec.calibration.seed + 1))
+    fixed = {t for s in schemes.values() for t in s["kv_tensors"]}
+    net, record = train_encodings(work / f"{name}.onnx", feeds[:-1], feeds[-1], fixed, cfg.steps, cfg.lr,
+                                  cfg.temperature, cfg.max_seconds, log=log)
+    record["trained_on"] = name
+    record["written"] = {g: write_encodings_into(net, work / f"{g}.onnx") for g in sessions.stages}
+    return record
+
+
+def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any = None) -> dict[str, Any]:
+    """Calibrates, quantizes, (for method: qat) learns the activation encodings, emits folder/quantized/.
+    Returns the manifest record."""
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     sessions = ArtifactSessions(folder)
     context = max(s.record["context"] for s in sessions.stages.values())
     tokens = corpus_tokens(tokenizer, "calibration", max(4 * context, 4096))
-    qat: QatResult | None = None
     timings: dict[str, float] = {}
     qat_record: dict[str, Any] | None = None
-    if spec.method == "qat":
-        if model is None:
-            raise ValueError("QAT needs the torch model")
-        from toolchain.quantize.qat import run_qat
-
-        t = time.perf_counter()
-        import onnx
-
-        from toolchain.quantize.qdq import linear_input_types
-
-        first = next(iter(sessions.stages.values())).record["file"]
-        types = linear_input_types(onnx.load(folder / first, load_external_data=False), spec)
-        qat, qat_record = run_qat(model, tokens, spec, log=log, input_types=types)
-        timings["qat"] = round(time.perf_counter() - t, 2)
     out = folder / QUANT_DIR
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
@@ -145,14 +155,19 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, model: A
         graphs = GraphSet()
         schemes: dict[str, Any] = {}
         for name, st in sessions.stages.items():
-            dst = work / f"{name}.onnx"
             src, fitted = grid.get(name, (folder / st.record["file"], None))
-            schemes[name] = quantize_graph(src, dst, spec, ranges[name], kv_params, qat, fitted)
+            schemes[name] = quantize_graph(src, work / f"{name}.onnx", spec, ranges[name], kv_params, fitted)
+        timings["qdq"] = round(time.perf_counter() - t, 2)
+        if spec.method == "qat":
+            t = time.perf_counter()
+            qat_record = run_graph_qat(sessions, spec, tokens, work, schemes, log)
+            timings["qat"] = round(time.perf_counter() - t, 2)
+        for name, st in sessions.stages.items():
+            dst = work / f"{name}.onnx"
             rec = st.record
             graphs.add(GraphEntry(name=name, model=ir.load(dst), family=rec["family"], role=rec["role"],
                                   width=rec["width"], context=rec["context"], stage=rec["stage"],
                                   meta=dict(rec.get("meta", {}))))
-        timings["qdq"] = round(time.perf_counter() - t, 2)
         records, weights = write_graphs(out, graphs)
     del graphs
     for rec in records:
@@ -202,7 +217,7 @@ def pipeline_quantize(folder: Path, recipe: Any, loaded: Any, timer: Any) -> dic
     spec: QuantizeSpec = recipe.quantize
     with timer.stage(f"quantize {spec.tag()} (calibrate {spec.calibration.samples} calls/graph"
                      + (", QAT" if spec.method == "qat" else "") + ")"):
-        record = quantize_artifact(folder, spec, loaded.tokenizer, loaded.model)
+        record = quantize_artifact(folder, spec, loaded.tokenizer)
     if spec.eval_tokens:
         with timer.stage(f"perplexity float vs {spec.tag()} ({spec.eval_tokens} held-out tokens)"):
             record["perplexity"] = eval_artifact(folder, spec.eval_tokens, tokenizer=loaded.tokenizer)

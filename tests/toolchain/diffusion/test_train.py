@@ -9,8 +9,8 @@ import torch
 from tests.tiny import save_tiny, write_recipe
 from toolchain.diffusion.form import read_form
 from toolchain.diffusion.train import DiffusionTrainConfig, DiffusionTrainError, train_diffusion
-from toolchain.source import load
 from toolchain.recipe import SourceSpec
+from toolchain.source import load
 
 CFG = dict(seq_len=32, block=8, batch=2, corpus_tokens=4000, eval_tokens=512, mask_token="<pad>")
 

@@ -86,8 +86,8 @@ def test_weights_exact_on_grid_and_encodings_match(artifact, tokenizer, spec):
     assert man["weights"]["bytes"] < 0.5 * json.loads((artifact / "manifest.json").read_text())["weights"]["bytes"]
 
 
-def test_kv_encodings_tied_across_inputs_outputs_and_families(artifact, tokenizer):
-    q = quantize(artifact, tokenizer, activations="int16", kv_cache="int8")
+def assert_kv_tied(q, bits: int = 8) -> None:
+    """past_* and new_* of every layer carry one encoding across both graph families."""
     encs = {g: by_name(json.loads((q / f"{g}.encodings.json").read_text())["activation_encodings"])
             for g in ("decode", "prefill")}
     for i in range(2):
@@ -96,7 +96,12 @@ def test_kv_encodings_tied_across_inputs_outputs_and_families(artifact, tokenize
                     for g in encs.values() for name in (f"past_{kind}_{i}", f"new_{kind}_{i}")
                     for e in [g[name]]}
             assert len(seen) == 1, (kind, i, seen)
-            assert next(iter(seen))[2] == 8
+            assert next(iter(seen))[2] == bits
+
+
+def test_kv_encodings_tied_across_inputs_outputs_and_families(artifact, tokenizer):
+    q = quantize(artifact, tokenizer, activations="int16", kv_cache="int8")
+    assert_kv_tied(q)
     man = json.loads((q / "manifest.json").read_text())
     assert set(man["quantization"]["kv_encodings"]) == {"key_0", "key_1", "value_0", "value_1"}
 
