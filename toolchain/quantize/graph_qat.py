@@ -283,25 +283,36 @@ def _torch_feeds(feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
 
 
-def train_encodings(graph: Path, feeds: list[dict[str, np.ndarray]], held: dict[str, np.ndarray],
+def train_encodings(graph: Path, feeds: list[dict[str, np.ndarray]], held: list[dict[str, np.ndarray]],
                     fixed_tensors: Iterable[str], steps: int, lr: float, temperature: float, max_seconds: float,
-                    log: Callable[[str], None] = lambda m: None) -> tuple[QdqTorch, dict[str, Any]]:
-    """Learns the QDQ graph's free 8-bit activation encodings by logit distillation on `feeds`."""
+                    log: Callable[[str], None] = lambda m: None, eval_every: int = 5) -> tuple[QdqTorch, dict[str, Any]]:
+    """Learns the QDQ graph's free 8-bit activation encodings by logit distillation on `feeds`.
+
+    Held-out KL is measured every `eval_every` steps and the best encodings seen are the ones kept
+    (the PTQ encodings if training never beat them), so QAT cannot leave the graph worse than PTQ
+    on held-out calls."""
     net = QdqTorch(onnx.load(graph), fixed_tensors)
     params = net.learnable()
     opt = torch.optim.Adam(params, lr=lr)
     teachers: dict[int, torch.Tensor] = {}
     tfeeds = [_torch_feeds(f) for f in feeds]
-    theld = _torch_feeds(held)
+    theld = [_torch_feeds(f) for f in held]
+    with torch.no_grad():
+        held_teachers = [net(f, quant=False)["logits"] for f in theld]
 
     @torch.no_grad()
     def held_kl() -> float:
-        return float(_kl(net(theld, quant=False)["logits"], net(theld)["logits"], temperature))
+        return float(np.mean([float(_kl(t, net(f)["logits"], temperature)) for t, f in zip(held_teachers, theld)]))
+
+    def snapshot() -> list[torch.Tensor]:
+        return [p.detach().clone() for p in params]
 
     t0 = time.perf_counter()
     before = held_kl()
+    best, best_step, best_state = before, 0, snapshot()
     log(f"graph QAT: {len(params) // 2} learnable 8-bit encodings of {len(net.encodings)}; held-out KL {before:.4f}")
     history: list[float] = []
+    curve: list[tuple[int, float]] = [(0, round(before, 5))]
     step = 0
     for step in range(1, steps + 1):
         i = (step - 1) % len(tfeeds)
@@ -313,21 +324,31 @@ def train_encodings(graph: Path, feeds: list[dict[str, np.ndarray]], held: dict[
         loss.backward()
         opt.step()
         history.append(float(loss.detach()))
-        if step % 5 == 0:
-            log(f"graph QAT step {step}: KL {np.mean(history[-5:]):.4f} ({time.perf_counter() - t0:.0f} s)")
-        if time.perf_counter() - t0 > max_seconds:
+        out_of_time = time.perf_counter() - t0 > max_seconds
+        if step % eval_every == 0 or step == steps or out_of_time:
+            kl = held_kl()
+            curve.append((step, round(kl, 5)))
+            if kl < best:
+                best, best_step, best_state = kl, step, snapshot()
+            log(f"graph QAT step {step}: train KL {np.mean(history[-eval_every:]):.4f}, held-out {kl:.4f} "
+                f"(best {best:.4f} at step {best_step}; {time.perf_counter() - t0:.0f} s)")
+        if out_of_time:
             break
-    after = held_kl()
-    log(f"graph QAT: held-out KL {before:.4f} -> {after:.4f} after {step} steps")
+    with torch.no_grad():
+        for p, v in zip(params, best_state):
+            p.copy_(v)
+    kept = "learned" if best_step else "ptq (training never beat it on held-out calls)"
+    log(f"graph QAT: held-out KL {before:.4f} -> {best:.4f}; kept {kept}")
     moved = [abs(float(e.log_hi.detach())) + abs(float(e.log_lo.detach())) for e in net.encodings.values() if e.learn]
     record = {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "feeds": len(feeds),
-              "learnable_encodings": len(params) // 2, "encodings": len(net.encodings),
-              "held_out_kl_before": round(before, 5), "held_out_kl_after": round(after, 5),
+              "held_out_feeds": len(held), "learnable_encodings": len(params) // 2, "encodings": len(net.encodings),
+              "held_out_kl_before": round(before, 5), "held_out_kl_after": round(best, 5), "best_step": best_step,
+              "kept": kept, "held_out_curve": curve,
               "train_kl_first5": round(float(np.mean(history[:5])), 5) if history else None,
               "train_kl_last5": round(float(np.mean(history[-5:])), 5) if history else None,
               "mean_abs_log_range_change": round(float(np.mean(moved)), 4) if moved else 0.0,
               "method": "QDQ graph in torch, STE fake quant, learned (lo, hi) per shared 8-bit encoding, "
-                        "KL to the same graph with float activations"}
+                        "KL to the same graph with float activations; best held-out checkpoint kept"}
     return net, record
 
 

@@ -97,7 +97,7 @@ def share_ranges(folder: Path, sessions: ArtifactSessions, ranges: dict[str, Any
     return changed
 
 
-def run_graph_qat(sessions: ArtifactSessions, spec: QuantizeSpec, tokens: list[int], work: Path,
+def run_graph_qat(sessions: ArtifactSessions, spec: QuantizeSpec, tokenizer: Any, tokens: list[int], work: Path,
                   schemes: dict[str, Any], log: Any) -> dict[str, Any]:
     """Learns the free 8-bit activation encodings on the widest graph (graph_qat.py) and writes them
     into every quantized graph in `work` (decode and prefill share tensor and encoding names)."""
@@ -112,9 +112,13 @@ def run_graph_qat(sessions: ArtifactSessions, spec: QuantizeSpec, tokens: list[i
                             f"{len(chain)} parts; quantize before split_layers/split_parts (drop them from "
                             "passes for the QAT compile) or use method: ptq")
     name = chain[0].name
-    feeds = list(family_feeds(sessions, fam, tokens, cfg.feeds + 1, seed=spec.calibration.seed + 1))
+    # training calls from the calibration text; the calls that choose the checkpoint from held-out text
+    # past the tokens `mobc eval ppl` scores, so the reported perplexity never saw the choice
+    feeds = list(family_feeds(sessions, fam, tokens, cfg.feeds, seed=spec.calibration.seed + 1))
+    val = corpus_tokens(tokenizer, "heldout", spec.eval_tokens + 4 * sessions.layout(fam).context)[spec.eval_tokens:]
+    held = list(family_feeds(sessions, fam, val, 2, seed=spec.calibration.seed + 2))
     fixed = {t for s in schemes.values() for t in s["kv_tensors"]}
-    net, record = train_encodings(work / f"{name}.onnx", feeds[:-1], feeds[-1], fixed, cfg.steps, cfg.lr,
+    net, record = train_encodings(work / f"{name}.onnx", feeds, held, fixed, cfg.steps, cfg.lr,
                                   cfg.temperature, cfg.max_seconds, log=log)
     record["trained_on"] = name
     record["written"] = {g: write_encodings_into(net, work / f"{g}.onnx") for g in sessions.stages}
@@ -160,7 +164,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
         timings["qdq"] = round(time.perf_counter() - t, 2)
         if spec.method == "qat":
             t = time.perf_counter()
-            qat_record = run_graph_qat(sessions, spec, tokens, work, schemes, log)
+            qat_record = run_graph_qat(sessions, spec, tokenizer, tokens, work, schemes, log)
             timings["qat"] = round(time.perf_counter() - t, 2)
         for name, st in sessions.stages.items():
             dst = work / f"{name}.onnx"
