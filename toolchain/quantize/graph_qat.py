@@ -241,8 +241,8 @@ class QdqTorch(nn.Module):
         inits = {i.name: i for i in model.graph.initializer}
         written = 0
         for key, e in self.encodings.items():
-            if not e.learn:
-                continue
+            if not e.learn or (float(e.log_lo.detach()) == 0.0 and float(e.log_hi.detach()) == 0.0):
+                continue  # untouched: the PTQ encoding stays bit-exact
             s, z = e.exported()
             scale_name, zp_name = self.enc_inits[key]
             if scale_name not in inits:
