@@ -46,7 +46,8 @@ def train_diffusion(
                       f"{a['nll@' + rate]:.2f}")
     console.print(table)
     for s in rep["samples"]:
-        console.print(f"[bold]prompt[/] {s['prompt']!r}\n[bold]->[/] {s['completion']!r}", highlight=False)
+        console.print(f"[bold]prompt[/] {s['prompt']!r} (S={s['steps']} steps per block)\n[bold]->[/] "
+                      f"{s['completion']!r}", highlight=False)
     console.print(f"[bold green]diffusion LM[/] {out} ({rep['total_seconds']:.0f} s total); compile it with "
                   "mobc compile recipes/smollm2-135m-diffusion.yaml")
 

@@ -54,10 +54,13 @@ def generate(model: Any, ids: list[int], mask_id: int, block: int = 32, steps: i
     return seq[len(ids):]
 
 
-def sample_generations(model: Any, tok: Any, mask_id: int, block: int, n: int = 3) -> list[dict[str, str]]:
+def sample_generations(model: Any, tok: Any, mask_id: int, block: int, n: int = 3) -> list[dict[str, Any]]:
+    """Two blocks per prompt at S = block (one token per step: the model's quality) and S = block/4
+    (four tokens per step: what parallel decoding costs a small model)."""
     out = []
     for prompt in PROMPTS[:n]:
         ids = tok(prompt).input_ids
-        gen = generate(model, ids, mask_id, block=block, steps=block // 4, n_blocks=2, eos=tok.eos_token_id)
-        out.append({"prompt": prompt, "completion": tok.decode(gen)})
+        for steps in (block, block // 4):
+            gen = generate(model, ids, mask_id, block=block, steps=steps, n_blocks=2, eos=tok.eos_token_id)
+            out.append({"prompt": prompt, "steps": steps, "completion": tok.decode(gen)})
     return out

@@ -237,7 +237,7 @@ def train_diffusion(recipe_path: Path, out_dir: Path, cfg: DiffusionTrainConfig,
     save_diffusion(model, tok, mask_id, mask_emb, out_dir, base)
     gens = sample_generations(model, tok, mask_id, cfg.block, samples)
     for g in gens:
-        log(f"sample: {g['prompt']!r} -> {g['completion']!r}")
+        log(f"sample (S={g['steps']}): {g['prompt']!r} -> {g['completion']!r}")
     report = {"base": recipe.name, "base_source": base, "init": str(init) if init else None, "config": asdict(cfg), "mask_token_id": mask_id,
               "accuracy_before": before, "accuracy_after": after, "samples": gens,
               "loss": "mean CE over masked tokens (no 1/t ELBO weight)",

@@ -302,7 +302,7 @@ def train_encodings(graph: Path, feeds: list[dict[str, np.ndarray]], held: list[
 
     @torch.no_grad()
     def held_kl() -> float:
-        return float(np.mean([float(_kl(t, net(f)["logits"], temperature)) for t, f in zip(held_teachers, theld)]))
+        return float(np.mean([float(_kl(t, net(f)["logits"], temperature)) for t, f in zip(held_teachers, theld, strict=True)]))
 
     def snapshot() -> list[torch.Tensor]:
         return [p.detach().clone() for p in params]
@@ -335,7 +335,7 @@ def train_encodings(graph: Path, feeds: list[dict[str, np.ndarray]], held: list[
         if out_of_time:
             break
     with torch.no_grad():
-        for p, v in zip(params, best_state):
+        for p, v in zip(params, best_state, strict=True):
             p.copy_(v)
     kept = "learned" if best_step else "ptq (training never beat it on held-out calls)"
     log(f"graph QAT: held-out KL {before:.4f} -> {best:.4f}; kept {kept}")
