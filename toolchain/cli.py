@@ -39,6 +39,9 @@ class RichReporter:
         extra = f" [dim]{detail}[/]" if detail else ""
         console.print(f"[green]✓[/] {stage}{extra} [dim]({seconds:.1f} s)[/]")
 
+    def note(self, message: str) -> None:
+        console.print(f"  [dim]{message}[/]", highlight=False)
+
     def stop(self) -> None:
         if self._status is not None:
             self._status.stop()

@@ -44,6 +44,9 @@ class Reporter:
 
     def done(self, stage: str, seconds: float, detail: str = "") -> None: ...
 
+    def note(self, message: str) -> None:
+        """Progress inside a long stage (calibration, QAT steps)."""
+
 
 @dataclass
 class CompileResult:

@@ -221,7 +221,7 @@ def pipeline_quantize(folder: Path, recipe: Any, loaded: Any, timer: Any) -> dic
     spec: QuantizeSpec = recipe.quantize
     with timer.stage(f"quantize {spec.tag()} (calibrate {spec.calibration.samples} calls/graph"
                      + (", QAT" if spec.method == "qat" else "") + ")"):
-        record = quantize_artifact(folder, spec, loaded.tokenizer)
+        record = quantize_artifact(folder, spec, loaded.tokenizer, log=timer.reporter.note)
     if spec.eval_tokens:
         with timer.stage(f"perplexity float vs {spec.tag()} ({spec.eval_tokens} held-out tokens)"):
             record["perplexity"] = eval_artifact(folder, spec.eval_tokens, tokenizer=loaded.tokenizer)
