@@ -176,3 +176,19 @@ def test_revision_keeps_confident_tokens_like_no_revision(tiny_dlm):
     pol.close()
     assert not _revision_threads()
     assert np.isfinite(pol.dstats.revision["overlapped_s"])
+
+
+@pytest.mark.parametrize("keep", [1.01, 0.3])
+def test_revision_with_speculation_finishes_every_block(tiny_dlm, keep):
+    """A token re-masked by the revision path in the call that would commit its row must not be
+    committed (it once left a mask under the cache: the block never finished, 11,896 calls)."""
+    _, out = tiny_dlm
+    sm = StepModel(out)
+    pol = LLaDA(sm, rule="threshold", threshold=0.2, steps=4, speculate=True, spec_masks=W // 2,
+                revise=True, revise_below=1.01, keep_threshold=keep)
+    for i in range(len(PROMPTS)):
+        toks = run(pol, ids(i), 3 * W)
+        assert len(toks) == 3 * W and MASK_ID not in toks
+        assert max(pol.dstats.block_calls) <= 2 * W
+    pol.close()
+    assert not _revision_threads()

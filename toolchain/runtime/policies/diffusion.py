@@ -243,8 +243,10 @@ class DiffusionPolicy(Policy):
             final = not masks_left and not (self.flag[cur:end] == PROVISIONAL).any()
             if o.speculate and not last and masks_left <= o.spec_masks:
                 spec = True
-            # rows computed from decided inputs; the previous block's tail always is
-            ok = (pos < end) & ~fed_mask & (self.flag[pos] != PROVISIONAL)
+            # rows computed from decided inputs; the previous block's tail always is. A token the
+            # revision path re-masked during this call was fed as a token but is undecided now: its
+            # row must not be committed (it would bury a mask under the cache and never finish)
+            ok = (pos < end) & ~fed_mask & (self.flag[pos] != PROVISIONAL) & (self.toks[pos] == feed)
             c = int(np.argmin(ok)) if not ok.all() else len(ok)
             if not spec:  # baseline: within the block only once all of it was fed final
                 c = min(c, int((pos < cur).sum())) if not (final and ok[in_cur].all()) else c
@@ -253,6 +255,9 @@ class DiffusionPolicy(Policy):
                 self.carry = logits[c - 1]
             if final and (last or spec or self.target.length >= end):
                 break
+            if calls > 4 * (B + o.steps):  # every call decides or commits something: this is a bug
+                raise RuntimeError(f"diffusion block at {cur} did not converge after {calls} calls "
+                                   f"({masks_left} masks left, cache at {self.target.length})")
         self.dstats.block_calls.append(calls)
         out = [int(t) for t in self.toks[cur:end]]
         return out, any(t in self.target.eos_ids for t in out)
