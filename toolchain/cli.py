@@ -200,15 +200,26 @@ def eval_sensitivity(
     artifact: Path = typer.Argument(..., help="artifact folder with a quantized/ sub-artifact"),
     graph: str = typer.Option("decode", "--graph", help="graph to analyse"),
     top: int = typer.Option(15, "--top", help="rows to show"),
+    by: str = typer.Option("sqnr", "--by", help="sqnr: worst SQNR per layer block; kl: logit KL removed "
+                                                "when a layer or tensor kind runs in float (slower)"),
 ) -> None:
-    """Which tensors dominate the quantization error: worst SQNR per layer block (float vs QDQ)."""
+    """Which tensors dominate the quantization error, per layer block (float vs QDQ)."""
     from transformers import AutoTokenizer
 
-    from toolchain.quantize.sensitivity import sensitivity, sensitivity_table
+    from toolchain.quantize.sensitivity import ablation_table, kl_ablation, sensitivity, sensitivity_table
     from toolchain.report import rich_table
 
-    rows = sensitivity(artifact, AutoTokenizer.from_pretrained(artifact / "tokenizer"), graph)
-    console.print(rich_table(f"Quantization sensitivity of {graph} (lowest SQNR first)", sensitivity_table(rows, top)))
+    tok = AutoTokenizer.from_pretrained(artifact / "tokenizer")
+    if by == "kl":
+        base, rows = kl_ablation(artifact, tok, graph, log=lambda m: err_console.print(f"[dim]{m}[/]"))
+        console.print(rich_table(f"Quantization error of {graph} by group (logit KL of the QDQ graph {base:.4f}; "
+                                 "each row runs one group in float)", ablation_table(rows, top)))
+    elif by == "sqnr":
+        rows = sensitivity(artifact, tok, graph)
+        console.print(rich_table(f"Quantization sensitivity of {graph} (lowest SQNR first)",
+                                 sensitivity_table(rows, top)))
+    else:
+        raise MobcError(f"--by {by!r}: choose sqnr or kl")
 
 
 def main() -> None:

@@ -121,7 +121,8 @@ class QdqTorch(nn.Module):
         self.encodings = nn.ModuleDict()
         self.enc_of: dict[str, str] = {}  # Q/DQ node name -> encoding key
         self.enc_inits: dict[str, tuple[str, str | None]] = {}  # encoding key -> (scale init, zp init)
-        self.producers: dict[str, list[str]] = {}  # encoding key -> nodes whose outputs it quantizes
+        # encoding key -> the compute nodes whose outputs it quantizes (through Q/DQ convert pairs)
+        self.producers: dict[str, list[str]] = {}
         self.nodes: list[tuple[str, str, list[str], list[str], dict[str, Any]]] = []
         frozen_keys: set[str] = set()
         for n in g.node:
@@ -137,7 +138,7 @@ class QdqTorch(nn.Module):
                 self.enc_of[n.name] = key
                 src = n.input[0] if n.op_type == "QuantizeLinear" else None
                 if src is not None:
-                    self.producers.setdefault(key, []).append(producer[src].name if src in producer else src)
+                    self.producers.setdefault(key, []).append(_origin(src, producer))
                 if src is not None and (src in fixed or (producer.get(src) is not None
                                                          and producer[src].op_type == "Concat")):
                     frozen_keys.add(key)
@@ -254,6 +255,14 @@ class QdqTorch(nn.Module):
         return written
 
 
+def _origin(tensor: str, producer: dict[str, onnx.NodeProto]) -> str:
+    """The compute node behind a tensor, looking through Q/DQ pairs (mixed-precision converts)."""
+    node = producer.get(tensor)
+    while node is not None and node.op_type in QDQ_OPS:
+        node = producer.get(node.input[0])
+    return node.name if node is not None else tensor
+
+
 def _slice(x: torch.Tensor, starts: list[int], ends: list[int], axes: list[int] | None,
            steps: list[int] | None) -> torch.Tensor:
     axes = axes if axes is not None else list(range(len(starts)))
@@ -273,7 +282,8 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, axis: int) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def _kl(teacher: torch.Tensor, student: torch.Tensor, t: float) -> torch.Tensor:
+def kl_divergence(teacher: torch.Tensor, student: torch.Tensor, t: float = 1.0) -> torch.Tensor:
+    """Mean over rows of KL(teacher || student) of temperature-scaled logits, times t^2."""
     tp = torch.log_softmax(teacher.reshape(-1, teacher.shape[-1]) / t, -1)
     sp = torch.log_softmax(student.reshape(-1, student.shape[-1]) / t, -1)
     return (tp.exp() * (tp - sp)).sum(-1).mean() * t * t
@@ -302,7 +312,7 @@ def train_encodings(graph: Path, feeds: list[dict[str, np.ndarray]], held: list[
 
     @torch.no_grad()
     def held_kl() -> float:
-        return float(np.mean([float(_kl(t, net(f)["logits"], temperature)) for t, f in zip(held_teachers, theld, strict=True)]))
+        return float(np.mean([float(kl_divergence(t, net(f)["logits"], temperature)) for t, f in zip(held_teachers, theld, strict=True)]))
 
     def snapshot() -> list[torch.Tensor]:
         return [p.detach().clone() for p in params]
@@ -319,7 +329,7 @@ def train_encodings(graph: Path, feeds: list[dict[str, np.ndarray]], held: list[
         if i not in teachers:
             with torch.no_grad():
                 teachers[i] = net(tfeeds[i], quant=False)["logits"]
-        loss = _kl(teachers[i], net(tfeeds[i])["logits"], temperature)
+        loss = kl_divergence(teachers[i], net(tfeeds[i])["logits"], temperature)
         opt.zero_grad()
         loss.backward()
         opt.step()

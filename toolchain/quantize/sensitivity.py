@@ -5,6 +5,10 @@ the same (realistic) feeds. Per tensor two SQNRs (dB, higher is better):
 - local: the tensor before vs after its own Q/DQ pair (how badly this encoding alone rounds);
 - accumulated: float graph vs QDQ graph (everything upstream included).
 Rows are grouped by the layer of the producing node (node names carry the module path).
+
+`kl_ablation` answers the question more directly: the QDQ graph runs in torch (graph_qat.QdqTorch)
+and one group of encodings at a time is switched back to float; the drop in logit KL against the
+float-activation graph is that group's share of the error (per layer, and per kind of tensor).
 """
 
 from __future__ import annotations
@@ -71,3 +75,61 @@ def sensitivity(folder: Path, tokenizer: Any, graph: str = "decode", samples: in
 def sensitivity_table(rows: list[dict[str, Any]], top: int = 15) -> tuple[list[str], list[list[str]]]:
     head = ["block", "worst local SQNR dB", "tensor", "worst accumulated SQNR dB"]
     return head, [[r["block"], f"{r['local_db']:.1f}", r["local_tensor"], f"{r['accum_db']:.1f}"] for r in rows[:top]]
+
+
+KIND = re.compile(r"layers\.\d+\.")
+
+
+def _groups(producers: dict[str, list[str]]) -> dict[str, set[str]]:
+    """Encoding keys by layer ("layers.3") and by kind across layers ("self_attn.q_proj/MatMul")."""
+    groups: dict[str, set[str]] = {}
+    for key, nodes in producers.items():
+        for node in nodes:
+            m = LAYER.search(node)
+            if m:
+                groups.setdefault(f"layers.{int(m.group(1)):02d}", set()).add(key)
+            kind = KIND.sub("", node)
+            kind = re.sub(r"_\d+$", "", kind) if "/" in kind else "graph input " + kind
+            groups.setdefault(kind, set()).add(key)
+    return groups
+
+
+def kl_ablation(folder: Path, tokenizer: Any, graph: str = "prefill", samples: int = 2,
+                log: Any = lambda m: None) -> tuple[float, list[dict[str, Any]]]:
+    """(KL of the QDQ graph, one row per group: the KL left with that group in float), most removed first."""
+    import onnx
+    import torch
+
+    from toolchain.quantize.graph_qat import QdqTorch, kl_divergence
+
+    fl = ArtifactSessions(folder)
+    names = [i["name"] for i in fl.stages[graph].record["inputs"]]
+    feeds = [{k: torch.from_numpy(np.ascontiguousarray(f[k])) for k in names}
+             for f in family_feeds(fl, graph, corpus_tokens(tokenizer, "heldout", 4096), samples, seed=3)]
+    net = QdqTorch(onnx.load(folder / "quantized" / f"{graph}.onnx"))
+    with torch.no_grad():
+        teachers = [net(f, quant=False)["logits"] for f in feeds]
+
+        def kl() -> float:
+            return float(np.mean([float(kl_divergence(t, net(f)["logits"])) for t, f in zip(teachers, feeds,
+                                                                                             strict=True)]))
+
+        base = kl()
+        rows = []
+        groups = _groups(net.producers)
+        for i, (name, keys) in enumerate(sorted(groups.items())):
+            for k in keys:
+                net.encodings[k].active = False
+            left = kl()
+            for k in keys:
+                net.encodings[k].active = True
+            rows.append({"group": name, "encodings": len(keys), "kl": left,
+                         "removed": (base - left) / base if base > 0 else 0.0})
+            if (i + 1) % 10 == 0:
+                log(f"{i + 1}/{len(groups)} groups")
+    return base, sorted(rows, key=lambda r: -r["removed"])
+
+
+def ablation_table(rows: list[dict[str, Any]], top: int = 15) -> tuple[list[str], list[list[str]]]:
+    head = ["group (in float)", "encodings", "logit KL left", "share of the error removed"]
+    return head, [[r["group"], str(r["encodings"]), f"{r['kl']:.4f}", f"{r['removed']:+.0%}"] for r in rows[:top]]

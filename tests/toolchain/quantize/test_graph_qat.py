@@ -86,3 +86,17 @@ def test_training_moves_free_encodings_only_and_they_land_in_every_graph(artifac
     # the emitted graph still runs and the learned encodings are the trained ones
     feed = _feed(artifact, tokenizer)
     ort.InferenceSession(str(q / "prefill.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feed)
+
+
+def test_kl_ablation_names_the_groups_that_carry_the_error(ptq8, tokenizer):
+    from toolchain.quantize.sensitivity import ablation_table, kl_ablation
+
+    base, rows = kl_ablation(ptq8, tokenizer, "prefill", samples=1)
+    by = {r["group"]: r for r in rows}
+    assert base > 0 and {"layers.00", "layers.01"} <= set(by)
+    # a layer's encodings in float can only remove error a little or a lot, never leave more than all of it
+    assert all(0.0 <= r["kl"] <= 2 * base for r in rows)
+    assert rows == sorted(rows, key=lambda r: -r["removed"])
+    assert any(g.startswith("self_attn") for g in by) and any(g.startswith("mlp") for g in by)
+    head, body = ablation_table(rows, top=3)
+    assert len(body) == 3 and len(head) == 4
