@@ -89,7 +89,8 @@ def _groups(producers: dict[str, list[str]]) -> dict[str, set[str]]:
             if m:
                 groups.setdefault(f"layers.{int(m.group(1)):02d}", set()).add(key)
             kind = KIND.sub("", node)
-            kind = re.sub(r"_\d+$", "", kind) if "/" in kind else "graph input " + kind
+            kind = re.sub(r"_\d+$", "", kind)  # Mul_1 -> Mul, past_key_7 -> past_key
+            kind = kind if "/" in kind else "graph input " + kind
             groups.setdefault(kind, set()).add(key)
     return groups
 
