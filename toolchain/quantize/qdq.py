@@ -31,6 +31,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_
 from onnxruntime.quantization.calibrate import TensorsData, save_tensors_data
 from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
+from toolchain.errors import QuantizeError
 from toolchain.quantize.fuse import fuse_rmsnorm
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.source_grid import split_grid_weights, write_exact_codes
@@ -253,9 +254,16 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     save_tensors_data(TensorsData(ranges.calibration_method,
                                   {k: v for k, v in ranges.data.items() if k not in inits}), cache)
     act = ACT_QTYPES[spec.activations]
-    cfg = get_qnn_qdq_config(model, _ListReader(iter(())), activation_type=act,
-                             weight_type=WEIGHT_QTYPES[spec.weights], init_overrides=ov,
-                             nodes_to_exclude=exclude or None)
+    try:
+        cfg = get_qnn_qdq_config(model, _ListReader(iter(())), activation_type=act,
+                                 weight_type=WEIGHT_QTYPES[spec.weights], init_overrides=ov,
+                                 nodes_to_exclude=exclude or None)
+    except ValueError as exc:  # onnxruntime's mixed-precision fixer: conflicting widths around a tensor
+        raise QuantizeError(
+            f"quantize.overrides: onnxruntime cannot place the 8/16-bit conversions these overrides need "
+            f"({exc}). A tensor whose producer and consumers were given different activation widths must "
+            "get one width: extend the override to the neighbouring nodes (e.g. the Add before a Softmax), "
+            "or drop it") from exc
     extra = dict(cfg.extra_options)
     # KV encodings are explicit scale/zero-point: set after onnxruntime's mixed-precision fixer,
     # which rejects a fixed 8-bit chain (producer -> Transpose -> output) inside a 16-bit graph

@@ -136,8 +136,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
     timings: dict[str, float] = {}
     qat_record: dict[str, Any] | None = None
     out = folder / QUANT_DIR
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir()
+    shutil.rmtree(out, ignore_errors=True)  # a stale one from another scheme must not survive a failure
     with tempfile.TemporaryDirectory(prefix="mobc-quant-", dir=folder.parent) as tmp:
         work = Path(tmp)
         ranges: dict[str, Any] = {}
@@ -172,6 +171,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
             graphs.add(GraphEntry(name=name, model=ir.load(dst), family=rec["family"], role=rec["role"],
                                   width=rec["width"], context=rec["context"], stage=rec["stage"],
                                   meta=dict(rec.get("meta", {}))))
+        out.mkdir()  # only now: calibration, QDQ or QAT failing leaves no quantized/ that looks complete
         records, weights = write_graphs(out, graphs)
     del graphs
     for rec in records:

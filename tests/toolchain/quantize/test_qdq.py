@@ -134,3 +134,12 @@ def test_quantized_artifact_runs_with_the_runtime_cache(artifact, tokenizer):
     assert len(out) == 6
     assert all(g["inputs"] == f["inputs"] for g, f in zip(
         sessions.manifest["graphs"], ArtifactSessions(artifact).manifest["graphs"], strict=True))
+
+
+def test_conflicting_width_overrides_fail_with_the_fix_and_leave_no_quantized_folder(artifact, tokenizer):
+    """A 16-bit Softmax fed by an 8-bit Add (scores + mask) is a conversion onnxruntime cannot place."""
+    from toolchain.errors import QuantizeError
+
+    with pytest.raises(QuantizeError, match="extend the override to the neighbouring nodes"):
+        quantize(artifact, tokenizer, activations="int8", overrides={"*Softmax*": {"activations": "int16"}})
+    assert not (artifact / "quantized").exists()
