@@ -94,6 +94,11 @@ class Encoding(nn.Module):
         zp = (self.qmin - lo / scale).round().clamp(self.qmin, self.qmax).detach()
         return scale, zp
 
+    def freeze(self) -> None:
+        self.learn = False
+        self.log_lo.requires_grad_(False)
+        self.log_hi.requires_grad_(False)
+
     def exported(self) -> tuple[float, int]:
         with torch.no_grad():
             s, z = self.scale_zp()
@@ -144,26 +149,21 @@ class QdqTorch(nn.Module):
                     frozen_keys.add(key)
             self.nodes.append((n.op_type, n.name, list(n.input), list(n.output), a))
         for key in frozen_keys:
-            enc = self.encodings[key]
-            enc.learn = False
-            enc.log_lo.requires_grad_(False)
-            enc.log_hi.requires_grad_(False)
-        for name, arr in arrays.items():
-            if name not in self.consts and arr.dtype.kind == "f":
+            self.encodings[key].freeze()
+        for name, arr in arrays.items():  # float constants and int64 shapes/axes/indices
+            if name not in self.consts and (arr.dtype.kind == "f" or arr.dtype == np.int64):
                 self.consts[name] = torch.from_numpy(np.array(arr))
-            elif name not in self.consts and arr.dtype.kind in "iu" and arr.dtype.itemsize == 8:
-                self.consts[name] = torch.from_numpy(np.array(arr))
-        self.outputs = [o.name for o in g.output]
 
     def _encoding(self, n: onnx.NodeProto, arrays: dict[str, np.ndarray]) -> str:
         zp_name = n.input[2] if len(n.input) > 2 and n.input[2] else None
         key = f"{n.input[1]}|{zp_name}".replace(".", "_")
         if key not in self.encodings:
             if n.input[1] not in arrays or (zp_name and zp_name not in arrays):
-                raise ValueError(f"{n.name}: scale/zero point are not initializers")
+                raise QuantizeError(f"method: qat: {n.name}'s scale/zero point are not initializers; use method: ptq")
             scale = arrays[n.input[1]]
             if scale.size != 1:
-                raise ValueError(f"{n.name}: activation encodings must be per tensor (got shape {scale.shape})")
+                raise QuantizeError(f"method: qat learns per-tensor activation encodings, but {n.name}'s has shape "
+                                    f"{scale.shape}; use method: ptq")
             zp = arrays[zp_name] if zp_name else np.zeros((), np.uint8)
             qmin, qmax = QRANGE[onnx.helper.np_dtype_to_tensor_dtype(zp.dtype)]
             learn = zp.dtype == np.uint8
@@ -178,28 +178,21 @@ class QdqTorch(nn.Module):
                 want: tuple[str, ...] = ("logits",)) -> dict[str, torch.Tensor]:
         env: dict[str, torch.Tensor] = dict(self.consts)
         env.update(feeds)
-        cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def enc(node_name: str) -> tuple[torch.Tensor, torch.Tensor, Encoding]:
-            key = self.enc_of[node_name]
-            e = self.encodings[key]
-            if key not in cache:
-                cache[key] = e.scale_zp()
-            return (*cache[key], e)
+        cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # scale/zp once per encoding per call
 
         for op, name, ins, outs, a in self.nodes:
             # a Q/DQ's scale and zero point live in its Encoding, not in env
             x = [env[i] if i else None for i in (ins[:1] if op in QDQ_OPS else ins)]
             if op in QDQ_OPS:
-                e = self.encodings[self.enc_of[name]]
+                key = self.enc_of[name]
+                e = self.encodings[key]
                 if not (quant and e.active):
                     y = x[0]
-                elif op == "QuantizeLinear":
-                    s, z, e = enc(name)
-                    y = torch.clamp(round_ste(x[0] / s) + z, e.qmin, e.qmax)
                 else:
-                    s, z, _ = enc(name)
-                    y = (x[0] - z) * s
+                    if key not in cache:
+                        cache[key] = e.scale_zp()
+                    s, z = cache[key]
+                    y = torch.clamp(round_ste(x[0] / s) + z, e.qmin, e.qmax) if op == "QuantizeLinear" else (x[0] - z) * s
             elif op == "MatMul":
                 y = torch.matmul(x[0], x[1])
             elif op in ELEMENTWISE:
@@ -289,7 +282,15 @@ def kl_divergence(teacher: torch.Tensor, student: torch.Tensor, t: float = 1.0) 
     return (tp.exp() * (tp - sp)).sum(-1).mean() * t * t
 
 
-def _torch_feeds(feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+@torch.no_grad()
+def mean_kl(net: QdqTorch, teachers: list[torch.Tensor], feeds: list[dict[str, torch.Tensor]],
+            t: float = 1.0) -> float:
+    """Mean logit KL of the (fake-quant) graph against precomputed teacher logits over several calls."""
+    return float(np.mean([float(kl_divergence(tl, net(f)["logits"], t)) for tl, f in zip(teachers, feeds,
+                                                                                         strict=True)]))
+
+
+def torch_feeds(feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
 
 
@@ -305,14 +306,13 @@ def train_encodings(graph: Path, feeds: list[dict[str, np.ndarray]], held: list[
     params = net.learnable()
     opt = torch.optim.Adam(params, lr=lr)
     teachers: dict[int, torch.Tensor] = {}
-    tfeeds = [_torch_feeds(f) for f in feeds]
-    theld = [_torch_feeds(f) for f in held]
+    tfeeds = [torch_feeds(f) for f in feeds]
+    theld = [torch_feeds(f) for f in held]
     with torch.no_grad():
         held_teachers = [net(f, quant=False)["logits"] for f in theld]
 
-    @torch.no_grad()
     def held_kl() -> float:
-        return float(np.mean([float(kl_divergence(t, net(f)["logits"], temperature)) for t, f in zip(held_teachers, theld, strict=True)]))
+        return mean_kl(net, held_teachers, theld, temperature)
 
     def snapshot() -> list[torch.Tensor]:
         return [p.detach().clone() for p in params]

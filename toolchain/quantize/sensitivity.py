@@ -101,33 +101,28 @@ def kl_ablation(folder: Path, tokenizer: Any, graph: str = "prefill", samples: i
     import onnx
     import torch
 
-    from toolchain.quantize.graph_qat import QdqTorch, kl_divergence
+    from toolchain.quantize.graph_qat import QdqTorch, mean_kl, torch_feeds
 
     fl = ArtifactSessions(folder)
     names = [i["name"] for i in fl.stages[graph].record["inputs"]]
-    feeds = [{k: torch.from_numpy(np.ascontiguousarray(f[k])) for k in names}
+    feeds = [torch_feeds({k: f[k] for k in names})
              for f in family_feeds(fl, graph, corpus_tokens(tokenizer, "heldout", 4096), samples, seed=3)]
     net = QdqTorch(onnx.load(folder / "quantized" / f"{graph}.onnx"))
     with torch.no_grad():
         teachers = [net(f, quant=False)["logits"] for f in feeds]
-
-        def kl() -> float:
-            return float(np.mean([float(kl_divergence(t, net(f)["logits"])) for t, f in zip(teachers, feeds,
-                                                                                             strict=True)]))
-
-        base = kl()
-        rows = []
-        groups = _groups(net.producers)
-        for i, (name, keys) in enumerate(sorted(groups.items())):
-            for k in keys:
-                net.encodings[k].active = False
-            left = kl()
-            for k in keys:
-                net.encodings[k].active = True
-            rows.append({"group": name, "encodings": len(keys), "kl": left,
-                         "removed": (base - left) / base if base > 0 else 0.0})
-            if (i + 1) % 10 == 0:
-                log(f"{i + 1}/{len(groups)} groups")
+    base = mean_kl(net, teachers, feeds)
+    rows = []
+    groups = _groups(net.producers)
+    for i, (name, keys) in enumerate(sorted(groups.items())):
+        for k in keys:
+            net.encodings[k].active = False
+        left = mean_kl(net, teachers, feeds)
+        for k in keys:
+            net.encodings[k].active = True
+        rows.append({"group": name, "encodings": len(keys), "kl": left,
+                     "removed": (base - left) / base if base > 0 else 0.0})
+        if (i + 1) % 10 == 0:
+            log(f"{i + 1}/{len(groups)} groups")
     return base, sorted(rows, key=lambda r: -r["removed"])
 
 

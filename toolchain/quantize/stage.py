@@ -22,7 +22,13 @@ import onnx_ir as ir
 from toolchain.artifacts import ROPE, write_graphs, write_manifest
 from toolchain.errors import QuantizeError
 from toolchain.graphset import GraphEntry, GraphSet
-from toolchain.quantize.calibrate import calibrate_family, corpus_tokens, family_feeds, tensor_range
+from toolchain.quantize.calibrate import (
+    calibrate_family,
+    corpus_tokens,
+    family_feeds,
+    filler_family,
+    tensor_range,
+)
 from toolchain.quantize.encodings import scheme_summary, write_encodings
 from toolchain.quantize.ppl import QUANT_DIR
 from toolchain.quantize.qdq import KV_PATTERN, prepare_grid, quantize_graph, uint_params
@@ -101,7 +107,6 @@ def run_graph_qat(sessions: ArtifactSessions, spec: QuantizeSpec, tokenizer: Any
                   schemes: dict[str, Any], log: Any) -> dict[str, Any]:
     """Learns the free 8-bit activation encodings on the widest graph (graph_qat.py) and writes them
     into every quantized graph in `work` (decode and prefill share tensor and encoding names)."""
-    from toolchain.quantize.calibrate import filler_family
     from toolchain.quantize.graph_qat import train_encodings, write_encodings_into
 
     cfg = spec.qat_spec
