@@ -243,7 +243,7 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
                 out = outputs.get(node)
                 if out and ov.get(out, [{}])[0].get("quant_type", ACT_QTYPES[spec.activations]) == QuantType.QUInt8:
                     ov.setdefault(out, [{}])[0]["quant_type"] = QuantType.QUInt16
-        if gw.offset:  # C: small and off-grid; write_exact_codes makes it 8-bit per output channel
+            # C: small and off-grid; write_exact_codes makes it 8-bit per output channel
             ov[gw.offset] = [{"quant_type": QuantType.QInt8, "symmetric": True, "axis": 0}]
             schemes[gw.offset] = {"node": gw.node, "dtype": "int8", "granularity": "per_channel", "axis": 1,
                                   "symmetric": True}
