@@ -53,7 +53,7 @@ class Step:
 
 def mobc(*args: str, log: Path) -> tuple[bool, str]:
     """Runs `mobc ARGS` in a child process; its output goes to the log file (uploaded with the rest)."""
-    cmd = [sys.executable, "-m", "toolchain.cli", *args]
+    cmd = [sys.executable, "-m", "toolchain.cli.main", *args]
     with open(log, "a") as f:
         f.write(f"$ mobc {' '.join(args)}\n")
         f.flush()
@@ -86,8 +86,8 @@ def tiny_recipe(out: Path) -> tuple[Path, str]:
 
 
 def qnn_step(artifact: Path, dest: Path) -> tuple[str, str]:
-    from toolchain import qnn
-    from toolchain.artifacts import load_manifest
+    from toolchain.artifact.manifest import load_manifest
+    from toolchain.qnn import context as qnn
 
     manifest = load_manifest(artifact)
     if manifest.get("qnn"):
@@ -112,7 +112,7 @@ def qnn_step(artifact: Path, dest: Path) -> tuple[str, str]:
 
 
 def hub_steps(artifact: Path, device: str, log: Path, results: list[dict[str, Any]], name: str) -> bool:
-    from toolchain.hub import token_configured
+    from toolchain.hub.client import token_configured
 
     if not token_configured():
         step = Step(results, name, "hub (dry run)")
@@ -143,7 +143,7 @@ def collect(artifact: Path, dest: Path) -> None:
 def export(
     recipe: Path, out: Path, device: str, qnn: bool, results: list[dict[str, Any]], qnn_skip: str = ""
 ) -> bool:
-    from toolchain.recipe import load_recipe
+    from toolchain.compile.recipe import load_recipe
 
     name = load_recipe(recipe).name
     dest = out / name

@@ -20,8 +20,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
 from onnxscript.optimizer import fold_constants
 
-from passes._graph import mark_names_stale
 from passes.registry import PassConfig, register
+from toolchain.ir.graph import mark_names_stale
 
 
 @register("fold_constants")

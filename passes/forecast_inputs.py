@@ -22,9 +22,9 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import Field
 
-from passes._graph import add_initializer, mark_names_stale, new_node, scope, shape_of
 from passes.registry import PassConfig, register
 from toolchain.errors import PassError
+from toolchain.ir.graph import add_initializer, mark_names_stale, new_node, scope, shape_of
 
 EMBEDS_INPUT = "forecast_embeds"
 SELECT_INPUT = "forecast_select"

@@ -27,7 +27,9 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
-from passes._graph import (
+from passes.registry import PassConfig, register
+from passes.simplify_layout import simplify
+from toolchain.ir.graph import (
     add_initializer,
     const_array,
     mark_names_stale,
@@ -36,8 +38,6 @@ from passes._graph import (
     scope,
     shape_of,
 )
-from passes.registry import PassConfig, register
-from passes.simplify_layout import simplify
 
 _PUSH = {
     "Sigmoid",

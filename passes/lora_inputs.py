@@ -2,7 +2,7 @@
 
 NPU graphs are frozen at compile time, so instead of merging an adapter into the weights, the
 low-rank branch `(x @ A) @ B` is added to every target projection with A and B as *inputs*
-at a fixed rank budget. A smaller adapter is zero-padded by the packer (toolchain/adapters.py),
+at a fixed rank budget. A smaller adapter is zero-padded by the packer (toolchain/lora/adapters.py),
 which also folds PEFT's alpha/r scaling into B, so the graph has no scaling node.
 
 Rewrite rules, for every projection site `layers.<i>.(self_attn|mlp).<target>[.head<h>]` whose
@@ -36,9 +36,9 @@ from collections import defaultdict
 import onnx_ir as ir
 from pydantic import Field, field_validator
 
-from passes._graph import const_array, mark_names_stale, new_node, scope, shape_of
 from passes.registry import PassConfig, register
 from toolchain.errors import PassError
+from toolchain.ir.graph import const_array, mark_names_stale, new_node, scope, shape_of
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROWS_INPUT = "lora_rows"

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from passes._graph import (
+from passes.registry import PassConfig, register
+from toolchain.ir.graph import (
     add_initializer,
     const_array,
     mark_names_stale,
@@ -42,7 +43,6 @@ from passes._graph import (
     shape_of,
     unique_value_name,
 )
-from passes.registry import PassConfig, register
 
 # ops a head passes through on its own, as long as the op does not reduce, slice or concat along
 # a head axis (checked per node)

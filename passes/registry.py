@@ -5,7 +5,7 @@ config in __init__ and declares:
   - `Config`: a pydantic model (extra="forbid") of its options,
   - `ensures(model)`: raises AssertionError when the invariant the pass promises does not hold
     (tests call it; the pipeline calls it after the pass runs),
-  - optionally `graph_level = True` when it turns one graph into several (see toolchain/graphset.py);
+  - optionally `graph_level = True` when it turns one graph into several (see toolchain/ir/graphset.py);
     such a pass implements `apply(graphset, family) -> GraphSet` instead of `call(model)`.
 """
 

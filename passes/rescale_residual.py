@@ -33,10 +33,10 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import field_validator
 
-from passes._graph import add_initializer, mark_names_stale, new_node, remove_unused, scope
 from passes.registry import PassConfig, register
 from passes.scale_rmsnorm import match_rmsnorm
 from toolchain.errors import PassError
+from toolchain.ir.graph import add_initializer, mark_names_stale, new_node, remove_unused, scope
 
 META_KEY = "mobc.residual_scale"
 

@@ -40,8 +40,8 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import field_validator
 
-from passes._graph import add_initializer, const_array, mark_names_stale, new_node, remove_unused, scope
 from passes.registry import PassConfig, register
+from toolchain.ir.graph import add_initializer, const_array, mark_names_stale, new_node, remove_unused, scope
 
 
 def _sole_use(value: ir.Value, op_type: str) -> ir.Node | None:

@@ -25,8 +25,8 @@ from onnxscript.rewriter._basics import MatchResult
 from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase
 from onnxscript.rewriter.rules.common import _basic_rules as basic
 
-from passes._graph import mark_names_stale, scope, unique_node_name
 from passes.registry import PassConfig, register
+from toolchain.ir.graph import mark_names_stale, scope, unique_node_name
 
 
 def _static(value: ir.Value) -> list[int] | None:

@@ -29,10 +29,10 @@ import dataclasses
 
 import onnx_ir as ir
 
-from passes._graph import extract, layer_of, scope
 from passes.registry import PassConfig, register
 from toolchain.errors import PassError
-from toolchain.graphset import GraphSet
+from toolchain.ir.graph import extract, layer_of, scope
+from toolchain.ir.graphset import GraphSet
 
 _HEAD_SCOPES = ("embed_tokens",)
 

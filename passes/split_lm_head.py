@@ -24,10 +24,10 @@ import dataclasses
 
 import onnx_ir as ir
 
-from passes._graph import extract, scope
 from passes.registry import PassConfig, register
 from toolchain.errors import PassError
-from toolchain.graphset import GraphEntry, GraphSet
+from toolchain.ir.graph import extract, scope
+from toolchain.ir.graphset import GraphEntry, GraphSet
 
 HIDDEN = "hidden"
 

@@ -5,6 +5,10 @@ import tempfile
 
 import pytest
 
+from tests import lora_tiny
+from tests.passes.tiny import ARCHS
+from tests.tiny import save_tiny, write_recipe
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_mobc_cache():
@@ -19,3 +23,36 @@ def _private_mobc_cache():
             os.environ.pop("MOBC_CACHE", None)
         else:
             os.environ["MOBC_CACHE"] = old
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def lora_artifact(tmp_path_factory):
+    """(artifact folder, source model folder): tiny llama with mha_to_sha + lora_inputs + forecast_inputs."""
+    from toolchain.compile.pipeline import compile_recipe
+
+    tmp = tmp_path_factory.mktemp("lora_rt")
+    src = save_tiny(tmp / "src", "llama")
+    recipe = write_recipe(tmp / "r.yaml", src, "tiny-lora", lora_tiny.GRAPHS, lora_tiny.PASSES)
+    return compile_recipe(recipe).out_dir, src
+
+
+TREE_BASE = "  decode: {width: 1, context: 64}\n"  # the widest tree graph doubles as prefill: fewer compiles
+TREE_GRAPHS = "  tree4: {width: 4, context: 64, role: tree}\n  tree8: {width: 8, context: 64, role: tree}\n"
+
+
+@pytest.fixture(scope="session")
+def tree_artifacts(tmp_path_factory):
+    """(target, draft) folders: the target has tree widths 4/8, its lm_head split off and a cut at layer 1."""
+    from toolchain.compile.pipeline import compile_recipe
+
+    root = tmp_path_factory.mktemp("tree_policies")
+    target = write_recipe(root / "t.yaml", save_tiny(root / "t_hf", "llama", seed=0), name="target",
+                          graphs=TREE_BASE + TREE_GRAPHS, extra="passes: [split_lm_head, {split_layers: {at: [1]}}]\n")
+    draft = write_recipe(root / "d.yaml", save_tiny(root / "d_hf", "llama", seed=1), name="draft",
+                         graphs=TREE_BASE + "  tree4: {width: 4, context: 64, role: tree}\n")
+    return compile_recipe(target).out_dir, compile_recipe(draft).out_dir

@@ -7,9 +7,9 @@ import pytest
 
 from passes import build
 from tests.passes.tiny import graphset_for, tiny
+from toolchain.compile.pass_runner import ort_run, run_passes
 from toolchain.errors import PassError, RecipeError
-from toolchain.graphset import run_chain
-from toolchain.pass_runner import ort_run, run_passes
+from toolchain.ir.graphset import run_chain
 
 
 def _outputs(gs, feeds):
@@ -19,7 +19,7 @@ def _outputs(gs, feeds):
 def test_fold_constants_folds_and_prunes(arch):
     _, model = tiny(arch)
     # a foldable chain and an unused initializer the pass must remove
-    from passes._graph import add_initializer, new_node
+    from toolchain.ir.graph import add_initializer, new_node
 
     g = model.graph
     a = add_initializer(g, "probe.a", np.ones([4], np.float32))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from passes import build
-from passes._graph import shape_of
 from tests.passes.tiny import graphset_for
-from toolchain.pass_runner import run_passes
+from toolchain.compile.pass_runner import run_passes
+from toolchain.ir.graph import shape_of
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from passes import build
-from passes._graph import shape_of
 from tests.passes.tiny import graphset_for, hf_model
-from toolchain.pass_runner import run_passes
+from toolchain.compile.pass_runner import run_passes
+from toolchain.ir.graph import shape_of
 
 
 @pytest.fixture(scope="module")

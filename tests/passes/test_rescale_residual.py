@@ -9,9 +9,9 @@ import pytest
 from passes import build
 from passes.rescale_residual import META_KEY, residual_stream
 from tests.passes.tiny import feeds_for, tiny
+from toolchain.compile.pass_runner import ort_run
 from toolchain.errors import PassError, RecipeError
-from toolchain.graphset import GraphEntry
-from toolchain.pass_runner import ort_run
+from toolchain.ir.graphset import GraphEntry
 
 
 def _run(model, layout, feeds, outputs=()):

@@ -7,10 +7,10 @@ import pytest
 
 from passes import build
 from tests.passes.tiny import feeds_for, tiny
+from toolchain.compile.pass_runner import ort_run
 from toolchain.errors import RecipeError
-from toolchain.graphset import GraphEntry
-from toolchain.pass_runner import ort_run
-from toolchain.qnn_diagnose import htp_findings
+from toolchain.ir.graphset import GraphEntry
+from toolchain.qnn.diagnose import htp_findings
 
 
 def _run(model, layout, feeds):

@@ -7,10 +7,10 @@ import onnx_ir as ir
 import pytest
 
 from passes import build
-from passes._graph import add_initializer, new_node
 from tests.passes.tiny import graphset_for, tiny
+from toolchain.compile.pass_runner import run_passes
 from toolchain.errors import PassError
-from toolchain.pass_runner import run_passes
+from toolchain.ir.graph import add_initializer, new_node
 
 
 def test_simplify_layout_collapses_chains_and_keeps_scopes(arch):

@@ -14,9 +14,9 @@ import onnx_ir as ir
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-from toolchain.capture import MASK_MIN, StepLayout, layout_for
-from toolchain.export import export_step_graph
-from toolchain.graphset import GraphEntry, GraphSet
+from toolchain.compile.capture import MASK_MIN, StepLayout, layout_for
+from toolchain.compile.export import export_step_graph
+from toolchain.ir.graphset import GraphEntry, GraphSet
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 CONTEXT = 32

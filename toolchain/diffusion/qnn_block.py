@@ -1,6 +1,6 @@
 """QNN HTP context binaries for a diffusion artifact's block graph (every part), on real inputs.
 
-Uses toolchain/qnn.py (build_context_binary + compare against the CPU EP). The feeds are a real
+Uses toolchain/qnn/context.py (build_context_binary + compare against the CPU EP). The feeds are a real
 denoising call, not random tensors: a prompt prefilled through the block graph, then a block
 that is half mask tokens under the bidirectional block mask; each part gets the residual stream
 its predecessor really produced, so the fp16 HTP sees the activation ranges it will see in use.
@@ -42,7 +42,7 @@ def block_feeds(model: StepModel) -> dict[str, dict[str, np.ndarray]]:
 
 
 def build(artifact: str | Path, soc_model: int = 57, htp_arch: int = 75) -> list[dict[str, Any]]:
-    from toolchain import qnn
+    from toolchain.qnn import context as qnn
 
     artifact = Path(artifact)
     model = StepModel(artifact, io_binding=False)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolchain.diffusion.schedule import transfer_counts
+from toolchain.runtime.diffusion_schedule import transfer_counts
 
 PROMPTS = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -23,7 +23,7 @@ PROMPTS = (
 
 
 def _block_mask(starts: list[int], length: int) -> torch.Tensor:
-    from toolchain.diffusion.train import MASK_NEG, block_causal
+    from toolchain.train.diffusion import MASK_NEG, block_causal
 
     return torch.where(block_causal(starts, length), 0.0, MASK_NEG)[None, None]
 

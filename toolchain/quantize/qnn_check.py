@@ -1,6 +1,6 @@
 """Quantized graphs on the QNN HTP backend: context binaries, and agreement with the CPU QDQ simulation.
 
-Uses toolchain/qnn.py (EP registration, context-binary build, CPU-vs-QNN compare). Quantized graphs
+Uses toolchain/qnn/context.py (EP registration, context-binary build, CPU-vs-QNN compare). Quantized graphs
 run as real integer kernels (no fp16 flag). Two checks:
 - per graph, one realistic call (real text, real cache contents): max |HTP - CPU| per output;
 - a greedy run: the CPU QDQ graphs pick every token; the HTP graphs are fed the same tokens
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from toolchain import qnn
+from toolchain.qnn import context as qnn
 from toolchain.quantize.calibrate import corpus_tokens, family_feeds
 from toolchain.runtime.cache import KVCache
 from toolchain.runtime.greedy import decode_family, family_by_role, run_tokens

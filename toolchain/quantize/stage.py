@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from toolchain.artifacts import ROPE, write_graphs, write_manifest
+from toolchain.artifact.manifest import ROPE, write_graphs, write_manifest
 from toolchain.errors import QuantizeError
-from toolchain.graphset import GraphEntry, GraphSet
+from toolchain.ir.graphset import GraphEntry, GraphSet
 from toolchain.quantize.calibrate import (
     calibrate_family,
     corpus_tokens,
@@ -234,8 +234,8 @@ def pipeline_quantize(folder: Path, recipe: Any, loaded: Any, timer: Any) -> dic
 
 
 def report_section(record: dict[str, Any]) -> str:
+    from toolchain.compile.report import markdown_table
     from toolchain.quantize.ppl import ppl_table
-    from toolchain.report import markdown_table
 
     lines = [f"## Quantization ({record['scheme']}, `{record['folder']}/`)", "",
              "| graph | float weights | quantized weights | params | activations |", "|---|---|---|---|---|"]

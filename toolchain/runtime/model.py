@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from toolchain.errors import ArtifactError
-from toolchain.graphset import OPTIONAL_INPUT_PREFIXES
+from toolchain.ir.graphset import OPTIONAL_INPUT_PREFIXES
 from toolchain.runtime.cache import KVCache
 from toolchain.runtime.sessions import ArtifactSessions, BoundFamily
 

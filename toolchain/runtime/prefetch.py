@@ -12,7 +12,7 @@ Two halves:
   alive (the DRAM budget, in parts) and, with prefetch, builds the next part's session on a
   thread while the current part runs — on this machine "load" = read the part's weight file and
   prepare an onnxruntime session, the CPU analogue of a flash read + NPU graph load.
-- `predict`: the phone-side effect from the cost model (toolchain/runtime/cost.py): per-part
+- `predict`: the phone-side effect from the cost model (toolchain/cost/model.py): per-part
   flash, DRAM and compute times under a DRAM budget, for serial loading and for prefetch, with
   the staging buffer a double buffer needs taken out of the resident budget.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from toolchain.runtime.cost import CostModel, GraphCost, Residency
+from toolchain.cost.model import CostModel, GraphCost, Residency
 from toolchain.runtime.sessions import ArtifactSessions, session_options
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from toolchain.diffusion.schedule import token_prob
+from toolchain.runtime.diffusion_schedule import token_prob
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.spans import overlapped_seconds
 

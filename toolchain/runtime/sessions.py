@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from toolchain.artifacts import ROPE, load_manifest
-from toolchain.capture import StepLayout
-from toolchain.graphset import run_chain
+from toolchain.artifact.manifest import ROPE, load_manifest
+from toolchain.compile.capture import StepLayout
+from toolchain.ir.graphset import run_chain
 
 
 class _Stage:
@@ -75,7 +75,7 @@ class ArtifactSessions:
         if name not in self._sessions:
             path = str(self.folder / self.stages[name].record["file"])
             if self.provider == "qnn":
-                from toolchain import qnn  # optional plugin EP
+                from toolchain.qnn import context as qnn  # optional plugin EP
 
                 self._sessions[name] = qnn.session(path, provider="qnn", options=self.provider_options)
             else:
@@ -105,7 +105,7 @@ class BoundFamily:
 
     `inputs` are the family's external inputs (e.g. KVCache.buffers(width)); outputs of every
     stage are preallocated from the manifest's shapes, and a later stage's input of the same
-    name is bound to that array (the chain convention of toolchain/graphset.py). The arrays
+    name is bound to that array (the chain convention of toolchain/ir/graphset.py). The arrays
     must never be replaced, only written in place.
     """
 

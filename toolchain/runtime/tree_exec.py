@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from toolchain.capture import MASK_MIN
+from toolchain.compile.capture import MASK_MIN
 from toolchain.errors import ArtifactError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.tree import Acceptance, Tree, accept

@@ -32,7 +32,7 @@ def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory: pytest.TempPathFactory, tiny_src: Path) -> Path:
-    from toolchain.pipeline import compile_recipe
+    from toolchain.compile.pipeline import compile_recipe
 
     root = tmp_path_factory.mktemp("qart")
     recipe = write_recipe(root / "tiny.yaml", tiny_src, name="tinyq", graphs=GRAPHS,

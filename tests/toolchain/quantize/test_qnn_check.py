@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from toolchain import qnn
+from toolchain.qnn import context as qnn
 from toolchain.quantize.qnn_check import check_quantized
 
 AVAILABLE, REASON = qnn.availability()

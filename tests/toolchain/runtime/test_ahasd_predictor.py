@@ -112,7 +112,7 @@ def test_pruned_lever_is_lossless_and_uses_narrower_tails(tree_artifacts, tmp_pa
 
 
 def test_train_predictor_reports_precision_and_recall(tree_artifacts):
-    from toolchain.runtime.predictor_train import train_predictor
+    from toolchain.train.predictor import train_predictor
 
     target_dir, _ = tree_artifacts
     target = StepModel(target_dir)

@@ -12,10 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.tiny import save_tiny, tiny_tokenizer, write_recipe
+from toolchain.compile.pipeline import compile_recipe
 from toolchain.diffusion.form import DiffusionForm, read_form, write_form
 from toolchain.diffusion.reference import generate as reference_generate
-from toolchain.diffusion.schedule import due_now, low_confidence_pick, threshold_pick, transfer_counts
-from toolchain.pipeline import compile_recipe
+from toolchain.runtime.diffusion_schedule import due_now, low_confidence_pick, threshold_pick, transfer_counts
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
 from toolchain.runtime.policies.diffusion import DiffusionPolicy, FastDLLM

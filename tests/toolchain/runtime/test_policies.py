@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import save_tiny, tiny_tokenizer, write_recipe
-from toolchain.pipeline import compile_recipe
+from toolchain.compile.pipeline import compile_recipe
 from toolchain.runtime.greedy import greedy
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
@@ -87,7 +87,7 @@ def test_cli_run_and_bench_decode(artifacts, tmp_path):
 
     from typer.testing import CliRunner
 
-    from toolchain.cli import app
+    from toolchain.cli.main import app
 
     target_dir, draft_dir = artifacts
     runner = CliRunner()

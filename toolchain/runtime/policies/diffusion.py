@@ -8,7 +8,7 @@ the KV cache (Fast-dLLM's prefix cache). One compiled graph of width W >= B serv
 
 A *call* feeds the window [L, L+n) where L = cache length (committed text). The token at L is
 predicted by `carry` (the logits of row L-1, saved when L-1 was committed), the token at L+i by
-row i-1. Decision rules (toolchain/diffusion/schedule.py):
+row i-1. Decision rules (toolchain/runtime/diffusion_schedule.py):
 - rule "steps"     LLaDA low-confidence remasking, a fixed S steps per block;
 - rule "threshold" Fast-dLLM parallel decoding (every mask above a threshold, at least one).
 
@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from toolchain.diffusion.schedule import (
+from toolchain.errors import MobcError
+from toolchain.runtime.diffusion_schedule import (
     due_now,
     low_confidence_pick,
     softmax_conf,
@@ -45,7 +46,6 @@ from toolchain.diffusion.schedule import (
     token_prob,
     transfer_counts,
 )
-from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy
 from toolchain.runtime.policies.sampling import Sampler

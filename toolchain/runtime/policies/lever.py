@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from toolchain.cost.prices import CpuPrices, PhonePrices, Prices
 from toolchain.errors import MobcError
-from toolchain.runtime.lever_costs import CpuPrices, PhonePrices, Prices
 from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, top_candidates
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy

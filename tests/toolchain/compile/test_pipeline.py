@@ -1,0 +1,190 @@
+"""The compile spine end to end on a tiny model: artifacts, CLI, atomic writes, determinism."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.tiny import save_tiny, write_recipe
+from toolchain.cli.main import app
+from toolchain.compile.pipeline import compile_recipe
+from toolchain.errors import ArtifactError, SourceError, VerificationError
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("model") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_dir, tmp_path_factory):
+    recipe = write_recipe(tmp_path_factory.mktemp("r") / "tiny.yaml", tiny_dir)
+    result = compile_recipe(recipe)
+    return recipe, result
+
+
+def test_artifact_layout_and_manifest(compiled):
+    _, result = compiled
+    out = result.out_dir
+    names = {p.name for p in out.iterdir()}
+    assert {"decode.onnx", "prefill.onnx", "weights.bin", "manifest.json", "report.md", "rope.npz",
+            "tokenizer"} <= names
+    m = json.loads((out / "manifest.json").read_text())
+    assert [g["name"] for g in m["graphs"]] == ["decode", "prefill"]
+    decode = m["graphs"][0]
+    assert decode["width"] == 1 and decode["context"] == 64 and decode["role"] == "decode"
+    ins = {i["name"]: i for i in decode["inputs"]}
+    assert ins["input_ids"]["dtype"] == "int32" and ins["input_ids"]["shape"] == [1, 1]
+    assert ins["past_key_0"]["shape"] == [2, 1, 16, 63]  # [n_kv, 1, D, CL-N]
+    assert ins["past_value_1"]["shape"] == [2, 1, 63, 16]
+    outs = {o["name"]: o for o in m["graphs"][1]["outputs"]}
+    assert outs["logits"]["shape"] == [1, 8, 512] and outs["new_key_0"]["shape"] == [2, 1, 16, 8]
+    assert len(decode["sha256"]) == 64 and "torch" in m["tools"] and m["source"]["fingerprint"]
+    # both widths share every weight: the shared file holds one copy
+    assert m["weights"]["bytes_saved_by_sharing"] > 0.9 * decode["weight_bytes"]
+    v = m["verification"]
+    assert all(f["worst_max_abs"] <= 1e-3 for f in v["families"].values())
+    assert v["greedy"]["identical"] and len(v["greedy"]["ours"]) == 12
+    assert "Verification against transformers" in (out / "report.md").read_text()
+
+
+def test_inspect_and_verify_cli(compiled):
+    _, result = compiled
+    r = runner.invoke(app, ["inspect", str(result.out_dir)], terminal_width=160)
+    assert r.exit_code == 0, r.output
+    assert "decode" in r.output and "prefill" in r.output and "past_key_{0..1}" in r.output
+    r = runner.invoke(app, ["verify", str(result.out_dir)], terminal_width=160)
+    assert r.exit_code == 0, r.output
+    assert "verified" in r.output
+
+
+def test_verify_detects_tampering(compiled, tmp_path):
+    import shutil
+
+    _, result = compiled
+    copy = tmp_path / "copy"
+    shutil.copytree(result.out_dir, copy)
+    with open(copy / "decode.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ArtifactError, match="decode.onnx"):
+        from toolchain.compile.pipeline import Reporter
+        from toolchain.compile.reverify import reverify
+
+        reverify(copy, Reporter())
+
+
+def test_deterministic_recompile(compiled, tmp_path, monkeypatch):
+    recipe, first = compiled
+    monkeypatch.setenv("MOBC_NO_CACHE", "1")  # a fresh export, not the cached one
+    second = compile_recipe(recipe, out=tmp_path / "again")
+    a = {g["name"]: g["sha256"] for g in first.manifest["graphs"]}
+    b = {g["name"]: g["sha256"] for g in second.manifest["graphs"]}
+    assert a == b
+    assert first.manifest["weights"]["sha256"] == second.manifest["weights"]["sha256"]
+
+
+def test_cached_export_gives_identical_artifact(compiled, tmp_path, monkeypatch):
+    import toolchain.compile.export
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("export ran although the content-hash cache holds this graph")
+
+    monkeypatch.setattr(toolchain.compile.export, "export_step_graph", no_export)
+    recipe, first = compiled
+    again = compile_recipe(recipe, out=tmp_path / "cached")
+    assert [g["sha256"] for g in again.manifest["graphs"]] == [g["sha256"] for g in first.manifest["graphs"]]
+
+
+def test_existing_output_needs_force(compiled):
+    recipe, _ = compiled
+    with pytest.raises(ArtifactError, match="--force"):
+        compile_recipe(recipe)
+
+
+def test_failed_verification_leaves_nothing(tiny_dir, tmp_path):
+    recipe = write_recipe(tmp_path / "t.yaml", tiny_dir, name="strict",
+                          extra="tolerance: {max_abs: 1.0e-12}\n")
+    with pytest.raises(VerificationError, match=r"graph 'decode': output .* tolerance.max_abs 1e-12"):
+        compile_recipe(recipe)
+    out_parent = tmp_path / "out"
+    assert not (out_parent / "strict").exists()
+    assert not list(out_parent.glob(".strict*"))  # no staging leftovers
+
+
+def test_user_errors_exit_2_without_traceback(tmp_path):
+    r = runner.invoke(app, ["compile", str(tmp_path / "missing.yaml")])
+    # CliRunner bypasses main(); run the real console script for the exit code
+    proc = subprocess.run([sys.executable, "-m", "toolchain.cli.main", "compile", str(tmp_path / "missing.yaml")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "recipe file" in proc.stderr and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert r.exit_code != 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nsource: {path: /nonexistent}\ngraphs: {decode: {width: 1, context: 8}}\n")
+    proc = subprocess.run([sys.executable, "-m", "toolchain.cli.main", "compile", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "source.path" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_path_source_message(tmp_path):
+    from toolchain.compile.recipe import SourceSpec
+    from toolchain.compile.source import load
+
+    with pytest.raises(SourceError, match="source.gguf: file .* does not exist"):
+        load(SourceSpec(gguf=str(tmp_path / "x.gguf")))
+    with pytest.raises(SourceError, match="not in the local Hugging Face cache"):
+        load(SourceSpec(hub="nobody/definitely-not-cached-model"))
+
+
+def test_killed_compile_leaves_no_manifest(tiny_dir, tmp_path):
+    recipe = write_recipe(tmp_path / "k.yaml", tiny_dir, name="killed")
+    out_parent = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "toolchain.cli.main", "compile", str(recipe)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    deadline = time.time() + 240
+    # kill as soon as the staging folder holds the first graph: mid-way through emit/verify
+    while time.time() < deadline and proc.poll() is None:
+        staged = list(out_parent.glob(".killed.partial-*/decode.onnx"))
+        if staged:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "compile finished before it could be killed"
+    assert not (out_parent / "killed" / "manifest.json").exists()
+    assert not (out_parent / "killed").exists()
+
+
+@pytest.mark.qnn
+def test_recipe_qnn_section_builds_verified_binaries(tiny_dir, tmp_path):
+    from toolchain.qnn import context as qnn
+
+    ok, reason = qnn.availability()
+    if not ok:
+        pytest.skip(f"onnxruntime-qnn unavailable here: {reason}")
+    recipe = write_recipe(
+        tmp_path / "q.yaml", tiny_dir, name="withqnn",
+        graphs="  decode: {width: 1, context: 64}\n",
+        extra="passes: [scale_rmsnorm, {split_layers: {at: [1]}}]\n"
+              "qnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n",
+    )
+    result = compile_recipe(recipe)
+    records = result.manifest["qnn"]
+    assert {r["graph"] for r in records} == {g["name"] for g in result.manifest["graphs"]}
+    assert len(records) == 2  # both parts of the split decode graph
+    for r in records:
+        assert r["status"] == "verified" and r["verify"]["worst_max_abs"] <= 0.05
+        for name in r["binaries"]:
+            assert (result.out_dir / "qnn" / name).stat().st_size > 0
+    r = runner.invoke(app, ["inspect", str(result.out_dir)], terminal_width=160)
+    assert "QNN HTP context binaries" in r.output and "verified" in r.output

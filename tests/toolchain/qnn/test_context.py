@@ -1,0 +1,136 @@
+"""QNN HTP context binaries of tiny step graphs, built and run on the emulated HTP (onnxruntime-qnn)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+from pydantic import ValidationError
+
+from passes import build
+from tests.passes.tiny import feeds_for, tiny
+from toolchain.qnn import context as qnn
+
+AVAILABLE, REASON = qnn.availability()
+needs_qnn = pytest.mark.skipif(not AVAILABLE, reason=f"onnxruntime-qnn unavailable: {REASON}")
+
+
+def _save(model: ir.Model, folder, name: str) -> str:
+    path = folder / f"{name}.onnx"
+    ir.save(model, path, external_data=f"{name}.bin")
+    return str(path)
+
+
+@pytest.mark.qnn
+@needs_qnn
+def test_tiny_step_graph_builds_and_matches_cpu(tmp_path):
+    layout, model = tiny("llama")
+    build("scale_rmsnorm")(model)
+    src = _save(model, tmp_path, "decode")
+    feeds = feeds_for(layout)
+    records = qnn.emit_qnn({"decode": src}, tmp_path / "out", qnn.QnnSpec(max_abs=0.05), {"decode": feeds})
+    (rec,) = records
+    assert rec["status"] == "verified"
+    out = tmp_path / "out"
+    assert (out / rec["context_model"]).exists()
+    assert rec["binaries"] and all((out / b).stat().st_size > 0 for b in rec["binaries"])
+    # the context model holds only the EPContext node: the graph really is one QNN binary
+    ctx = onnx.load(out / rec["context_model"], load_external_data=False)
+    assert [n.op_type for n in ctx.graph.node] == ["EPContext"]
+    verify = rec["verify"]
+    assert set(verify["max_abs"]) == {name for name, _, _ in layout.outputs()}
+    assert verify["worst_max_abs"] < 0.05  # fp16 HTP vs fp32 CPU on O(1) activations
+    assert verify["argmax_agreement"]["logits"] == 1.0
+    assert not list(out.glob(".*-qnn-*"))  # the temporary build folder is gone
+
+
+@pytest.mark.qnn
+@needs_qnn
+def test_massive_activation_row_survives_fp16(tmp_path):
+    """A row with one entry of 2e4 next to O(0.01) entries (SmolLM2's attention-sink token).
+
+    Regression: x / max|x| with max|x| > 2^14 divides through an fp16-subnormal reciprocal that
+    the HTP flushes to zero, which zeroed the whole row's norm (and every later token's attention).
+    """
+    layout, model = tiny("llama")
+    feeds = feeds_for(layout)
+    emb = model.graph.initializers["embed_tokens.weight"]
+    table = emb.const_value.numpy().copy()
+    table[int(feeds["input_ids"][0, 0]), 5] = 2.0e4
+    emb.const_value = ir.tensor(table, name=emb.name)
+    build("scale_rmsnorm")(model)
+    src = _save(model, tmp_path, "sink")
+    binary = qnn.build_context_binary(src, tmp_path / "out")
+    cmp = qnn.run_and_compare(src, binary.model, feeds)
+    for name in ("new_key_0", "new_value_0", "new_key_1", "new_value_1"):
+        assert cmp.max_abs[name] < 0.02, (name, cmp.max_abs[name])
+
+
+@pytest.mark.qnn
+@needs_qnn
+def test_raw_export_fails_to_finalize_and_names_the_fix(tmp_path):
+    _, model = tiny("llama")
+    src = _save(model, tmp_path, "raw")
+    with pytest.raises(qnn.QnnCompileError) as err:
+        qnn.build_context_binary(src, tmp_path / "out")
+    msg = str(err.value)
+    assert "QNN_COMMON_ERROR_MEM_ALLOC" in msg
+    assert "layers.0.input_layernorm/Pow" in msg and "scale_rmsnorm" in msg
+
+
+@pytest.mark.qnn
+@needs_qnn
+def test_unsupported_node_is_named(tmp_path):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="ok/Relu"), helper.make_node("Det", ["r"], ["y"], name="bad/Det")],
+        "g", [x], [y],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    proto.ir_version = 10
+    path = tmp_path / "det.onnx"
+    onnx.save(proto, path)
+    with pytest.raises(qnn.QnnCompileError, match=r"Det 'bad/Det'"):
+        qnn.build_context_binary(path, tmp_path / "out")
+
+
+@pytest.mark.qnn
+@needs_qnn
+def test_mismatch_beyond_tolerance_fails_with_the_output_name(tmp_path):
+    layout, model = tiny("llama")
+    build("scale_rmsnorm")(model)
+    src = _save(model, tmp_path, "decode")
+    spec = qnn.QnnSpec(max_abs=1e-9, verify=True)
+    with pytest.raises(qnn.QnnMismatchError, match="'decode': output"):
+        qnn.emit_qnn({"decode": src}, tmp_path / "out", spec, {"decode": feeds_for(layout)})
+
+
+def test_qnn_spec_validates_keys_and_arch():
+    assert qnn.QnnSpec().provider_options() == {
+        "backend_type": "htp", "soc_model": "57", "htp_arch": "75", "enable_htp_fp16_precision": "1",
+    }
+    assert "enable_htp_fp16_precision" not in qnn.QnnSpec(fp16=False).provider_options()
+    with pytest.raises(ValidationError, match="htp_arch"):
+        qnn.QnnSpec(htp_arch=76)
+    with pytest.raises(ValidationError, match="extra"):
+        qnn.QnnSpec(soc=57)
+
+
+def test_skip_when_unavailable_is_recorded(monkeypatch, tmp_path):
+    monkeypatch.setattr(qnn, "availability", lambda: (False, "no wheel for this platform"))
+    records = qnn.emit_qnn({"decode": "x.onnx"}, tmp_path, qnn.QnnSpec(on_unavailable="skip"))
+    assert records == [{"graph": "decode", "status": "skipped", "reason": "no wheel for this platform"}]
+    with pytest.raises(qnn.QnnUnavailableError, match="onnxruntime-qnn"):
+        qnn.emit_qnn({"decode": "x.onnx"}, tmp_path, qnn.QnnSpec())
+
+
+def test_compare_counts_non_finite_as_worst():
+    cpu = {"logits": np.zeros((1, 2, 4), np.float32), "h": np.ones(3, np.float32)}
+    got = {"logits": np.array([[[0, 1, 0, 0], [0, 0, 0, 0]]], np.float32), "h": np.array([1, np.inf, 1], np.float32)}
+    c = qnn.compare(cpu, got)
+    assert c.max_abs["logits"] == 1.0 and c.max_abs["h"] == float("inf")
+    assert c.argmax_agreement["logits"] == 0.5
+    assert c.worst == ("h", float("inf"))

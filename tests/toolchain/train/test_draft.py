@@ -1,0 +1,114 @@
+"""Draft derivation and the lens + distillation loop on a tiny model (seconds, not minutes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny import tiny_model, tiny_tokenizer
+from toolchain.train.draft import (
+    DistillConfig,
+    DraftTrainError,
+    _Readout,
+    _windows,
+    agreement,
+    derive_draft,
+    distill,
+    fit_lens,
+    fold,
+    parse_layers,
+    target_continuations,
+    teacher_states,
+    unfold,
+)
+
+
+def test_parse_layers():
+    assert parse_layers("3", 30) == [0, 1, 2]
+    assert parse_layers("0-2,29", 30) == [0, 1, 2, 29]
+    for bad in ("0", "31", "3-1", "a", "29,3"):
+        with pytest.raises(DraftTrainError):
+            parse_layers(bad, 30)
+
+
+def test_derive_keeps_weights_and_all_layers_reproduce_target():
+    teacher = tiny_model("llama")
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        same = derive_draft(teacher, [0, 1])(x).logits
+        ref = teacher(x).logits
+        one = derive_draft(teacher, [1])
+    assert torch.equal(same, ref)
+    assert torch.equal(one.model.layers[0].mlp.up_proj.weight, teacher.model.layers[1].mlp.up_proj.weight)
+
+
+def test_lens_distill_fold_roundtrip(tmp_path):
+    torch.manual_seed(0)
+    teacher = tiny_model("llama")
+    ids = np.asarray(tiny_tokenizer()(Path(os.__file__).read_text()).input_ids[:4608], dtype=np.int64)
+    train, held = ids[:4096], ids[4096:]
+    cfg = DistillConfig(seq_len=64, batch=4, positions=16, lr=1e-3)
+    w_train, w_held = _windows(train, 64), _windows(held, 64)
+    s_train, feats = teacher_states(teacher, w_train, float("inf"), 4, log=lambda m: None, prefix=1)
+    s_held, _ = teacher_states(teacher, w_held, float("inf"), 4, log=lambda m: None)
+    student = derive_draft(teacher, [0])
+    student.model.norm.weight.data.fill_(1.0)
+    lens = fit_lens(student, w_train, s_train, 1e-3, 4)
+    # the teacher pass's features are the draft's own lens inputs: same fit without re-running the draft
+    torch.testing.assert_close(fit_lens(student, w_train, s_train, 1e-3, 4, feats), lens, rtol=1e-3, atol=1e-4)
+    readout = _Readout(student, lens)
+    lens = agreement(readout, w_held, s_held)
+    stats = distill(readout, w_train, s_train, cfg, seconds=1.0, log=lambda m: None)
+    assert stats["steps"] > 0 and np.isfinite(stats["kl_last"])
+    model = fold(readout)
+    assert not model.config.tie_word_embeddings
+    x = w_held[:2]
+    with torch.no_grad():  # the folded lm_head computes exactly what the readout trained
+        np.testing.assert_allclose(model(x).logits.numpy(), readout.logits(readout.hidden(x)).numpy(),
+                                   rtol=1e-4, atol=1e-4)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").is_file() and 0.0 <= lens <= 1.0
+
+
+def test_target_continuations_are_the_targets_greedy_tokens():
+    torch.manual_seed(0)
+    teacher = tiny_model("llama").eval()
+    ids = np.asarray(tiny_tokenizer()(Path(os.__file__).read_text()).input_ids[:2048], dtype=np.int64)
+    w = target_continuations(teacher, ids, n_windows=3, seq_len=24, prompt_len=8, batch=2, seed=0)
+    assert w.shape == (3, 24)
+    text = ids.tolist()
+    for row in w.tolist():
+        start = next(i for i in range(len(text) - 8) if text[i : i + 8] == row[:8])  # a real prompt
+        assert start >= 0
+        with torch.no_grad():  # every generated token is the target's argmax after its prefix
+            logits = teacher(torch.tensor([row])).logits[0]
+        assert logits[7:-1].argmax(-1).tolist() == row[8:]
+    with pytest.raises(DraftTrainError):
+        target_continuations(teacher, ids, 1, seq_len=8, prompt_len=8, batch=1)
+
+
+def test_unfold_recovers_a_saved_draft(tmp_path):
+    torch.manual_seed(0)
+    teacher = tiny_model("llama")
+    student = derive_draft(teacher, [0])
+    lens = torch.eye(student.config.hidden_size) + 0.05 * torch.randn(student.config.hidden_size,
+                                                                      student.config.hidden_size)
+    fold(_Readout(student, lens)).save_pretrained(tmp_path / "d")
+    again, got, layers = unfold(tmp_path / "d", teacher)
+    torch.testing.assert_close(got, lens, rtol=1e-3, atol=1e-4)
+    assert layers == [0]  # no report beside it: the first k layers
+    x = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():  # the recovered readout computes the saved draft's logits
+        torch.testing.assert_close(_Readout(again, got).logits(_Readout(again, got).hidden(x)),
+                                   again(x).logits, rtol=1e-4, atol=1e-4)
+    other = tiny_model("llama")
+    with torch.no_grad():
+        other.get_input_embeddings().weight.add_(1.0)
+    with pytest.raises(DraftTrainError, match="another model"):
+        unfold(tmp_path / "d", other)
+    with pytest.raises(DraftTrainError, match="not a draft folder"):
+        unfold(tmp_path, teacher)

@@ -1,0 +1,63 @@
+"""The shared timed AdamW loop: same steps as the hand-written loop it replaced, logs, train/eval mode."""
+
+from __future__ import annotations
+
+import torch
+
+from toolchain.train.loop import timed_adamw_loop
+
+
+def _problem(seed: int = 0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    return net, x, y
+
+
+def test_loop_matches_the_hand_written_loop_step_for_step():
+    net, x, y = _problem()
+    params = list(net.parameters())
+    lines: list[str] = []
+    modes: list[bool] = []
+
+    def step_loss() -> torch.Tensor:
+        modes.append(net.training)
+        return torch.nn.functional.mse_loss(net(x), y) * 100  # large gradients: the clip acts
+
+    res = timed_adamw_loop(
+        net,
+        params,
+        step_loss,
+        lr=0.1,
+        seconds=0.3,
+        log=lines.append,
+        label="MSE",
+        every=3,
+        lr_at=lambda step: 0.1 * min(1.0, (step + 1) / 4),
+    )
+    assert res.steps >= 3 and len(res.losses) == res.steps and all(modes) and not net.training
+    assert lines[0].startswith("step 3: MSE ") and len(lines) == res.steps // 3
+    assert res.first(2) == sum(res.losses[:2]) / 2 and res.last(1) == res.losses[-1]
+
+    ref, _, _ = _problem()  # the loop diffusion/train.py and draft_train.py had, for as many steps
+    ref_params = list(ref.parameters())
+    opt = torch.optim.AdamW(ref_params, lr=0.1, weight_decay=0.0)
+    for step in range(res.steps):
+        for g in opt.param_groups:
+            g["lr"] = 0.1 * min(1.0, (step + 1) / 4)
+        loss = torch.nn.functional.mse_loss(ref(x), y) * 100
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
+        opt.step()
+        assert loss.item() == res.losses[step]
+    for a, b in zip(params, ref_params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_no_step_when_no_time():
+    net, x, y = _problem()
+    res = timed_adamw_loop(
+        net, list(net.parameters()), lambda: net(x).sum(), lr=0.1, seconds=0.0, log=print, label="x", every=1
+    )
+    assert res.steps == 0 and res.first() is None and res.last() is None and not net.training

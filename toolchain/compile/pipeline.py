@@ -1,0 +1,252 @@
+"""The compile pipeline: recipe -> source -> capture/export -> passes -> emit -> verify -> manifest.
+
+Each stage is a plain function call; `Reporter` receives stage start/finish events so the CLI
+can show progress without the pipeline knowing about terminals.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import passes as pass_registry
+from toolchain import __version__
+from toolchain.artifact.manifest import staging, write_graphs, write_manifest, write_rope
+from toolchain.compile.capture import StepLayout, layout_for, rope_tables
+from toolchain.compile.export import export_cached
+from toolchain.compile.recipe import Recipe, check_against_model, load_recipe
+from toolchain.compile.report import write_report
+from toolchain.compile.source import LoadedModel, load
+from toolchain.compile.verify import (
+    Case,
+    check_tolerance,
+    compare,
+    eos_ids,
+    hf_greedy,
+    real_text,
+    reference_case,
+)
+from toolchain.errors import RecipeError, VerificationError
+from toolchain.ir.graphset import GraphEntry, GraphSet, run_chain
+from toolchain.runtime.greedy import decode_family, greedy
+from toolchain.runtime.sessions import ArtifactSessions
+
+
+class Reporter:
+    """Progress sink; the CLI subclasses it with rich output."""
+
+    def start(self, stage: str) -> None: ...
+
+    def done(self, stage: str, seconds: float, detail: str = "") -> None: ...
+
+    def note(self, message: str) -> None:
+        """Progress inside a long stage (calibration, QAT steps)."""
+
+
+@dataclass
+class CompileResult:
+    out_dir: Path
+    manifest: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def tool_versions() -> dict[str, str]:
+    import onnx
+    import onnx_ir
+    import onnxruntime
+    import onnxscript
+    import torch
+    import transformers
+
+    return {
+        "mobc": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "onnx": onnx.__version__, "onnx_ir": onnx_ir.__version__,
+        "onnxscript": onnxscript.__version__, "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def model_record(loaded: LoadedModel, layout: StepLayout) -> dict[str, Any]:
+    cfg = loaded.config
+    return {
+        "family": cfg.model_type, "n_layers": layout.n_layers, "n_heads": layout.n_heads,
+        "n_kv": layout.n_kv, "head_dim": layout.head_dim, "hidden": layout.hidden, "vocab": layout.vocab,
+        "layer_kinds": list(layout.layer_kinds), "rope_per_kind": layout.rope_per_kind,
+        "sliding_window": layout.sliding_window, "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_ids": eos_ids(cfg), "bos_token_id": getattr(cfg, "bos_token_id", None),
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "has_chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+        "diffusion": loaded.diffusion,  # masked-diffusion form (toolchain/diffusion/form.py) or None
+    }
+
+
+class _Timer:
+    def __init__(self, reporter: Reporter):
+        self.reporter = reporter
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str, detail: str = "") -> Iterator[None]:
+        self.reporter.start(name)
+        t = time.perf_counter()
+        yield
+        self.timings[name] = round(time.perf_counter() - t, 2)
+        self.reporter.done(name, self.timings[name], detail)
+
+
+def export_graphs(recipe: Recipe, loaded: LoadedModel, timer: _Timer) -> tuple[GraphSet, dict[str, StepLayout]]:
+    graphs, layouts = GraphSet(), {}
+    for name, spec in recipe.graphs.items():
+        layout = layout_for(loaded.config, spec.width, spec.context)
+        with timer.stage(f"export {name} (N={spec.width}, CL={spec.context})"):
+            model = export_cached(loaded.model, layout, loaded.fingerprint, graph_name=name)
+        graphs.add(GraphEntry(name=name, model=model, family=name, role=recipe.graph_role(name),
+                              width=spec.width, context=spec.context))
+        layouts[name] = layout
+    return graphs, layouts
+
+
+def reference_cases(loaded: LoadedModel, layouts: dict[str, StepLayout], rope: dict,
+                    roles: dict[str, str] | None = None) -> dict[str, Case]:
+    tokens = loaded.tokenizer(real_text()).input_ids
+    mask_id = (loaded.diffusion or {}).get("mask_token_id")
+    # a diffusion model's block graphs are checked on a bidirectional block with mask tokens
+    return {name: reference_case(loaded.model, tokens, lay, rope, seed=i,
+                                 mask_token_id=mask_id if (roles or {}).get(name) == "diffusion" else None)
+            for i, (name, lay) in enumerate(layouts.items())}
+
+
+def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: dict[str, Case],
+                    timer: _Timer) -> dict[str, Any]:
+    """Numeric checks of the written graphs (files, not in-memory models)."""
+    sessions = ArtifactSessions(folder)
+    families: dict[str, Any] = {}
+    for family, case in cases.items():
+        with timer.stage(f"verify {family} vs transformers"):
+            figures = compare(sessions.run_family(family, case.feeds), case.expected)
+        block = recipe.graph_role(family) == "diffusion" and loaded.diffusion
+        figures["past_len"] = case.past_len
+        figures["mask"] = "bidirectional block, ~half mask tokens" if block else "random tree over the new tokens"
+        families[family] = figures
+        check_tolerance(family, figures, recipe.tolerance.max_abs)
+    result: dict[str, Any] = {"tolerance": recipe.tolerance.max_abs, "families": families}
+    if loaded.diffusion:  # a diffusion LM: block decoding through the graphs vs torch, not AR greedy
+        from toolchain.diffusion.verify_decode import decode_check
+
+        with timer.stage("verify diffusion decoding vs torch"):
+            result["diffusion_decode"] = decode_check(folder, loaded.model, loaded.tokenizer(recipe.verify.prompt).input_ids)
+    n = recipe.verify.greedy_tokens
+    if n:
+        with timer.stage(f"verify greedy {n} tokens vs generate"):
+            ids = loaded.tokenizer(recipe.verify.prompt).input_ids
+            room = sessions.chain(decode_family(sessions))[0].record["context"] - 1
+            if len(ids) + n > room:
+                raise RecipeError(
+                    f"verify.greedy_tokens: the verification prompt ({len(ids)} tokens) plus {n} greedy tokens "
+                    f"do not fit the decode graph's context ({room + 1}); lower verify.greedy_tokens, "
+                    "shorten verify.prompt or raise the context"
+                )
+            ref = hf_greedy(loaded.model, ids, n)
+            ours = greedy(sessions, ids, n, eos_ids(loaded.config))
+        first_diff = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
+        identical = ours == ref
+        result["greedy"] = {"tokens": n, "prompt_tokens": len(ids), "identical": identical,
+                            "first_mismatch": first_diff, "decode_family": decode_family(sessions),
+                            "reference": ref, "ours": ours}
+        if not identical:
+            raise VerificationError(
+                f"greedy decoding through the emitted graphs diverges from transformers' generate at token "
+                f"{first_diff} (ours {ours[:first_diff + 1]}, generate {ref[:first_diff + 1]})"
+            )
+    return result
+
+
+def stage_feeds(sessions: ArtifactSessions, cases: dict[str, Case]) -> dict[str, dict[str, Any]]:
+    """Each stage graph's inputs on the verification case (parts get the real residual stream)."""
+    feeds: dict[str, dict[str, Any]] = {}
+    for family, case in cases.items():
+        def record(stage: Any, stage_in: dict[str, Any]) -> dict[str, Any]:
+            feeds[stage.name] = stage_in
+            return sessions.run_stage(stage, stage_in)
+
+        run_chain(sessions.chain(family), case.feeds, record)
+    return feeds
+
+
+def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list[dict[str, Any]]:
+    """QNN HTP context binaries of every emitted graph, each run on real inputs and compared with CPU."""
+    from toolchain.qnn import context as qnn
+
+    sessions = ArtifactSessions(folder)
+    graph_files = {name: folder / stage.record["file"] for name, stage in sessions.stages.items()}
+    return qnn.emit_qnn(graph_files, folder / "qnn", recipe.qnn, stage_feeds(sessions, cases))
+
+
+def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force: bool = False,
+                   reporter: Reporter | None = None) -> CompileResult:
+    reporter = reporter or Reporter()
+    timer = _Timer(reporter)
+    recipe_path = Path(recipe_path)
+    recipe = load_recipe(recipe_path)
+    for i, spec in enumerate(recipe.passes):  # reject bad pass names/options before any work
+        pass_registry.build(spec, i)
+    out_dir = Path(out) if out else recipe.output_dir()
+    if out_dir.exists() and not force:
+        from toolchain.errors import ArtifactError
+
+        raise ArtifactError(f"{out_dir} already exists; pass --force to replace it (or --out another folder)")
+
+    with timer.stage("load model", recipe.source.describe()):
+        loaded = load(recipe.source, base=recipe_path.parent)
+    check_against_model(recipe, getattr(loaded.config, "max_position_embeddings", None))
+    graphs, layouts = export_graphs(recipe, loaded, timer)
+    any_layout = next(iter(layouts.values()))
+    rope = rope_tables(loaded.model, any_layout, max(s.context for s in recipe.graphs.values()))
+    with timer.stage("reference cases (transformers)"):
+        cases = reference_cases(loaded, layouts, rope, {n: recipe.graph_role(n) for n in layouts})
+
+    pass_rows: list[dict[str, Any]] = []
+    if recipe.passes:
+        from toolchain.compile.pass_runner import run_passes
+
+        with timer.stage(f"passes ({len(recipe.passes)})"):
+            graphs, pass_rows = run_passes(graphs, list(recipe.passes), recipe.tolerance.max_abs,
+                                           {f: c.feeds for f, c in cases.items()})
+
+    with staging(out_dir, force) as tmp:
+        with timer.stage("emit"):
+            records, weights = write_graphs(tmp, graphs)
+            rope_rec = write_rope(tmp, rope)
+            loaded.tokenizer.save_pretrained(tmp / "tokenizer")
+            manifest: dict[str, Any] = {
+                "format": "mobc-artifact/1",
+                "name": recipe.name,
+                "source": {"spec": recipe.source.model_dump(exclude_none=True), "description": loaded.description,
+                           "fingerprint": loaded.fingerprint, "files": loaded.files},
+                "recipe": recipe.model_dump(mode="json"),
+                "recipe_file": str(recipe_path.resolve()),
+                "tools": tool_versions(),
+                "model": model_record(loaded, any_layout),
+                "graphs": records,
+                "weights": weights,
+                "rope": rope_rec,
+                "passes": pass_rows,
+            }
+            write_manifest(tmp, manifest)  # provisional: sessions read it; the folder is not in place yet
+        manifest["verification"] = verify_artifact(tmp, recipe, loaded, cases, timer)
+        if recipe.qnn:
+            with timer.stage(f"qnn context binaries (soc {recipe.qnn.soc_model}, htp v{recipe.qnn.htp_arch})"):
+                manifest["qnn"] = emit_qnn_stage(tmp, recipe, cases)
+        if recipe.quantize:  # after passes and float verification: writes tmp/quantized/
+            from toolchain.quantize.stage import pipeline_quantize, report_section
+
+            manifest["quantization"] = pipeline_quantize(tmp, recipe, loaded, timer)
+            manifest.setdefault("report_sections", []).append(report_section(manifest["quantization"]))
+        manifest["timings"] = timer.timings
+        write_report(tmp, manifest)
+        write_manifest(tmp, manifest)
+    return CompileResult(out_dir=out_dir.resolve(), manifest=manifest, timings=timer.timings)

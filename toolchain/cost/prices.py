@@ -1,0 +1,110 @@
+"""Prices of graph calls for tree policies: predicted phone seconds or measured CPU seconds.
+
+A StepModel counts its calls under keys: a family name (every stage of it), `body:<family>`
+(every stage but its lm_head) and `stage:<graph>` (one stage). `PhonePrices` prices each key
+with the cost model (one residency for the whole model, placed on its decode family, as the
+bench does); `CpuPrices` times each call once on this machine. Tree policies read the same
+prices to decide (tree width, depth, batch, path-only logits) and the bench reads them to
+report predicted phone time, so the decision and the report agree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from functools import cache
+
+import numpy as np
+
+from toolchain.cost.model import CostModel, GraphCost
+from toolchain.runtime.model import StepModel
+
+
+@cache
+def _stage_cost(path: str, name: str, width: int) -> GraphCost:
+    from toolchain.cost.onnx_graph import graph_cost
+
+    return graph_cost(path, width=width, name=name)  # parts take residual_k, not input_ids: say the width
+
+
+def _sum(costs: list[GraphCost]) -> GraphCost:
+    total = costs[0]
+    for c in costs[1:]:
+        total = total + c
+    return total
+
+
+class Prices:
+    """seconds(key) for one model; subclasses say how a key's stages are priced."""
+
+    def __init__(self, model: StepModel):
+        self.model = model
+        self._memo: dict[str, float] = {}
+
+    def stages(self, key: str) -> list:
+        s = self.model.sessions
+        kind, _, rest = key.partition(":")
+        if not rest:
+            return s.chain(key)
+        if kind == "body":
+            return [st for st in s.chain(rest) if st.record["role"] != "lm_head"]
+        if kind == "stage":
+            return [s.stages[rest]]
+        if kind == "tail":  # stages from a part onward, e.g. tail:tree16:1 (pruned verification)
+            fam, _, start = rest.rpartition(":")
+            return [st for st in s.chain(fam) if st.record["role"] != "lm_head" and st.stage >= int(start)]
+        if kind == "head":  # stages up to (excluding) a part, e.g. head:tree32:1
+            fam, _, stop = rest.rpartition(":")
+            return [st for st in s.chain(fam) if st.stage < int(stop)]
+        raise KeyError(key)
+
+    def seconds(self, key: str) -> float:
+        if key not in self._memo:
+            self._memo[key] = self._price(key)
+        return self._memo[key]
+
+    def _price(self, key: str) -> float:
+        raise NotImplementedError
+
+    def total(self, calls: Counter[str]) -> float:
+        return sum(n * self.seconds(k) for k, n in calls.items())
+
+
+class PhonePrices(Prices):
+    def __init__(self, model: StepModel, device: str, dram_budget: float):
+        super().__init__(model)
+        self.device = device
+        self.dram_budget = dram_budget
+        self.cost_model = CostModel(device, dram_budget)
+        self.cost_model.place(self.cost(model.decode_family))
+
+    def cost(self, key: str) -> GraphCost:
+        return _sum([_stage_cost(str(self.model.folder / st.record["file"]), st.name, st.record["width"]) for st in self.stages(key)])
+
+    def _price(self, key: str) -> float:
+        return self.cost_model.call_latency(self.cost(key)).total_s
+
+    def flops(self, key: str) -> float:
+        return self.cost(key).flops
+
+
+class CpuPrices(Prices):
+    """Each key timed on this machine (best of `repeats` calls on an empty cache, zero inputs)."""
+
+    def __init__(self, model: StepModel, repeats: int = 2):
+        super().__init__(model)
+        self.repeats = repeats
+
+    def _price(self, key: str) -> float:
+        from toolchain.runtime.sessions import _DTYPES
+
+        best = float("inf")
+        for _ in range(self.repeats):
+            t = time.perf_counter()
+            for st in self.stages(key):
+                feeds = {}
+                for i in st.record["inputs"]:
+                    feeds[i["name"]] = np.zeros(i["shape"], _DTYPES.get(i["dtype"], np.float32))
+                self.model.sessions.run_stage(st, feeds)
+            best = min(best, time.perf_counter() - t)
+        return best

@@ -1,0 +1,197 @@
+"""Small onnx_ir helpers shared by the passes (no pass lives here).
+
+Node names follow toolchain/compile/export.py: '<module path>/<op>[_k]', e.g. 'layers.3.self_attn.q_proj/MatMul'.
+Passes that add nodes keep the module-path prefix of the node they replace, so later passes
+(split_layers, split_lm_head) can still tell which layer or head a node belongs to.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+_LAYER = re.compile(r"^layers\.(\d+)[./]")
+
+
+def scope(node: ir.Node) -> str:
+    """'layers.3.self_attn.q_proj/MatMul' -> 'layers.3.self_attn.q_proj'."""
+    name = node.name or ""
+    return name.rsplit("/", 1)[0] if "/" in name else ""
+
+
+def layer_of(node: ir.Node) -> int | None:
+    m = _LAYER.match(node.name or "")
+    return int(m.group(1)) if m else None
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The constant behind a value (initializer or folded constant), else None."""
+    if value is None or value.const_value is None:
+        return None
+    return value.const_value.numpy()
+
+
+def is_initializer(value: ir.Value | None) -> bool:
+    return value is not None and value.is_initializer()
+
+
+def add_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Adds (or reuses, when the same name already holds the same bytes) a named initializer.
+
+    Deterministic names are what lets graphs of different widths share weights on disk.
+    """
+    existing = graph.initializers.get(name)
+    if existing is not None:
+        old = existing.const_value.numpy()
+        if old.shape == array.shape and old.dtype == array.dtype and np.array_equal(old, array):
+            return existing
+        k = 1
+        while f"{name}_{k}" in graph.initializers:
+            k += 1
+        name = f"{name}_{k}"
+    array = np.ascontiguousarray(array)
+    value = ir.Value(
+        name=name,
+        shape=ir.Shape(array.shape),
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        const_value=ir.tensor(array, name=name),
+    )
+    graph.register_initializer(value)
+    return value
+
+
+def new_node(
+    graph: ir.Graph,
+    before: ir.Node | None,
+    op: str,
+    inputs: list[ir.Value | None],
+    name: str,
+    attributes: dict | None = None,
+    shape: list[int] | None = None,
+    dtype: ir.DataType | None = None,
+    num_outputs: int = 1,
+    after: ir.Node | None = None,
+) -> ir.Node:
+    """Creates a node named `name`, inserts it before `before` (or after `after`, or appends)
+    and types output 0."""
+    attrs = [ir.Attr(k, _attr_type(v), v) for k, v in (attributes or {}).items()]
+    name = unique_node_name(graph, name)
+    node = ir.Node("", op, inputs, attributes=attrs, num_outputs=num_outputs, name=name)
+    if after is not None:
+        graph.insert_after(after, node)
+    elif before is None:
+        graph.append(node)
+    else:
+        graph.insert_before(before, node)
+    out = node.outputs[0]
+    out.name = unique_value_name(graph, name.replace("/", "_"))
+    if shape is not None:
+        out.shape = ir.Shape(shape)
+    if dtype is not None:
+        out.type = ir.TensorType(dtype)
+    return node
+
+
+def _names(graph: ir.Graph) -> tuple[set[str], set[str]]:
+    """(value names, node names) in use, kept on the graph and rebuilt after a pass marks them
+    stale (passes that add nodes through onnxscript or onnx_ir directly call mark_names_stale)."""
+    if getattr(graph, "_mobc_names_stale", True) or not hasattr(graph, "_mobc_names"):
+        values = {v.name for v in graph.inputs} | set(graph.initializers)
+        nodes = set()
+        for n in graph:
+            values.update(o.name for o in n.outputs if o.name)
+            nodes.add(n.name)
+        graph._mobc_names = (values, nodes)  # type: ignore[attr-defined]
+        graph._mobc_names_stale = False  # type: ignore[attr-defined]
+    return graph._mobc_names  # type: ignore[attr-defined]
+
+
+def _unique(used: set[str], base: str, sep: str) -> str:
+    name, k = base, 1
+    while name in used:
+        name = f"{base}{sep}{k}"
+        k += 1
+    used.add(name)
+    return name
+
+
+def unique_value_name(graph: ir.Graph, base: str) -> str:
+    """Deterministic unique value names per graph (graph order decides suffixes)."""
+    return _unique(_names(graph)[0], base, "_")
+
+
+def unique_node_name(graph: ir.Graph, base: str) -> str:
+    return _unique(_names(graph)[1], base, "_")
+
+
+def mark_names_stale(graph: ir.Graph) -> None:
+    graph._mobc_names_stale = True  # type: ignore[attr-defined]
+
+
+def _attr_type(v) -> ir.AttributeType:
+    if isinstance(v, bool | int):
+        return ir.AttributeType.INT
+    if isinstance(v, float):
+        return ir.AttributeType.FLOAT
+    if isinstance(v, str):
+        return ir.AttributeType.STRING
+    if isinstance(v, list | tuple):
+        if all(isinstance(x, int) for x in v):
+            return ir.AttributeType.INTS
+        return ir.AttributeType.FLOATS
+    raise TypeError(f"unsupported attribute value {v!r}")
+
+
+def shape_of(value: ir.Value) -> list[int]:
+    if value.shape is None or not value.shape.is_static():
+        raise ValueError(f"value {value.name} has no static shape; mobc graphs are fully static")
+    return [int(d) for d in value.shape]
+
+
+def remove_unused(model: ir.Model) -> None:
+    RemoveUnusedNodesPass()(model)
+
+
+def op_counts(model: ir.Model) -> Counter[str]:
+    return Counter(n.op_type for n in model.graph)
+
+
+def weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def extract(model: ir.Model, inputs: list[str], outputs: list[str], name: str) -> ir.Model:
+    """A new model computing `outputs` (value names) from graph inputs and the values named in
+    `inputs`, which become graph inputs. Weights are shared with `model`, not copied.
+
+    Nodes that both sides need (RoPE table prep, say) are simply computed in both.
+    """
+    clone = model.clone()
+    graph = clone.graph
+    values = ir.convenience.create_value_mapping(graph)
+    old_inputs = [v for v in graph.inputs]
+    new_inputs = []
+    for vname in inputs:
+        if any(v.name == vname for v in old_inputs):
+            continue
+        v = values[vname]
+        fresh = ir.Value(name=vname, shape=v.shape, type=v.type)
+        v.name = f"{vname}__cut"
+        ir.convenience.replace_all_uses_with(v, fresh)
+        new_inputs.append(fresh)
+    outs = [values[o] for o in outputs]
+    graph.outputs.clear()
+    graph.outputs.extend(outs)
+    for i, v in enumerate(new_inputs):  # cut interfaces first: they are what the chain feeds
+        graph.inputs.insert(i, v)
+    remove_unused(clone)
+    kept = [v for v in graph.inputs if v.uses() or v in outs]
+    graph.inputs.clear()
+    graph.inputs.extend(kept)
+    graph.name = name
+    mark_names_stale(graph)
+    return clone
