@@ -86,19 +86,19 @@ def tiny_recipe(out: Path) -> tuple[Path, str]:
 
 
 def qnn_step(artifact: Path, dest: Path) -> tuple[str, str]:
-    from toolchain.artifact.manifest import load_manifest
+    from toolchain.artifact.manifest import Manifest
     from toolchain.qnn import context as qnn
 
-    manifest = load_manifest(artifact)
-    if manifest.get("qnn"):
+    manifest = Manifest.load(artifact)
+    if manifest.qnn:
         return "skipped", "context binaries already built by mobc compile (recipe qnn: section)"
     ok, reason = qnn.availability()
     if not ok:
         return "skipped", f"onnxruntime-qnn unavailable: {reason}"
-    graphs = {g["name"]: artifact / g["file"] for g in manifest["graphs"]}
-    smallest = min(manifest["graphs"], key=lambda g: (g["width"], g["name"]))["name"]
-    spec = qnn.QnnSpec(**manifest.get("recipe", {}).get("qnn") or {})
-    if manifest.get("quantization"):
+    graphs = {g.name: artifact / g.file for g in manifest.graphs}
+    smallest = min(manifest.graphs, key=lambda g: (g.width, g.name)).name
+    spec = qnn.QnnSpec(**(manifest.recipe or {}).get("qnn") or {})
+    if manifest.quantization:
         spec = spec.model_copy(update={"fp16": False})  # QDQ graphs run as integer kernels
     dest.mkdir(parents=True, exist_ok=True)
     records = qnn.emit_qnn(graphs, dest, spec.model_copy(update={"verify": False}))

@@ -2,7 +2,7 @@
 
 NPU graphs are frozen at compile time, so instead of merging an adapter into the weights, the
 low-rank branch `(x @ A) @ B` is added to every target projection with A and B as *inputs*
-at a fixed rank budget. A smaller adapter is zero-padded by the packer (toolchain/lora/adapters.py),
+at a fixed rank budget. A smaller adapter is zero-padded by the packer (toolchain/lora/pack.py),
 which also folds PEFT's alpha/r scaling into B, so the graph has no scaling node.
 
 Rewrite rules, for every projection site `layers.<i>.(self_attn|mlp).<target>[.head<h>]` whose

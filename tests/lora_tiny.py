@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from passes.lora_inputs import site_of
 from toolchain.compile.pass_runner import ort_run
 from toolchain.ir.graphset import GraphEntry
-from toolchain.lora.adapters import Adapter, write_rows, write_slots
+from toolchain.runtime.adapters import Adapter, write_rows, write_slots
 
 M = 2  # forecast slots of the tiny artifact; its tree width (M+1)^2 = 9
 GRAPHS = ("  decode: {width: 1, context: 64}\n  prefill: {width: 8, context: 64}\n"

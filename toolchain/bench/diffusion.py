@@ -39,10 +39,10 @@ def family_cost(model: StepModel, fam: str):
     from toolchain.cost.onnx_graph import graph_cost
 
     stages = model.sessions.chain(fam)
-    width = stages[0].record["width"]
+    width = stages[0].width
     total = None
     for st in stages:
-        c = graph_cost(model.folder / st.record["file"], width=width, name=st.name)
+        c = graph_cost(model.folder / st.file, width=width, name=st.name)
         total = c if total is None else total + c
     return total
 

@@ -168,7 +168,7 @@ class LeverBench:
 
     def _row_head(self) -> str:
         chain = self.target.sessions.chain(self.target.decode_family)
-        return next((s.name for s in chain if s.record["role"] == "lm_head"), chain[-1].name)
+        return next((s.name for s in chain if s.role == "lm_head"), chain[-1].name)
 
     def table(self, names: list[str]) -> list[dict[str, Any]]:
         base = self.run("ar")

@@ -12,13 +12,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from toolchain.artifact.manifest import Manifest
+
 
 def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def source_gguf(manifest: dict[str, Any]) -> Path | None:
-    for f in manifest.get("source", {}).get("files", []):
+def source_gguf(manifest: Manifest) -> Path | None:
+    for f in manifest.source.get("files", []):
         if str(f).endswith(".gguf") and Path(f).is_file():
             return Path(f)
     return None

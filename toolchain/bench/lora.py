@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from toolchain.lora.adapters import Adapter
+from toolchain.runtime.adapters import Adapter
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
 from toolchain.runtime.policies.ctg import bind_adapters, sequential_styles

@@ -11,16 +11,15 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from toolchain.cli.common import console
 from toolchain.hub.client import RUNTIMES
 
-hub_app = typer.Typer(
+app = typer.Typer(
     no_args_is_help=True,
     help="Qualcomm AI Hub: compile, link and profile on real phones; "
     "calibrate the cost model from the profiles.",
 )
-console = Console()
 
 DEFAULT_DEVICE = "Samsung Galaxy S24 (Family)"
 _ARTIFACT = typer.Argument(..., help="artifact folder written by mobc compile (or its quantized/ folder)")
@@ -53,7 +52,7 @@ def _print_calls(client) -> None:
         console.print(f"  {name}({json.dumps(shown, default=str)})", highlight=False, soft_wrap=True)
 
 
-@hub_app.command("compile")
+@app.command("compile")
 def compile_cmd(
     artifact: Path = _ARTIFACT,
     device: str = _DEVICE,
@@ -101,7 +100,7 @@ def compile_cmd(
     )
 
 
-@hub_app.command("profile")
+@app.command("profile")
 def profile_cmd(
     artifact: Path = _ARTIFACT,
     device: str = _DEVICE,
@@ -138,7 +137,7 @@ def profile_cmd(
         console.print(f"{graph}: {p['latency_ms']:.3f} ms on device ({p['file']})")
 
 
-@hub_app.command("calibrate")
+@app.command("calibrate")
 def calibrate_cmd(
     artifact: Path = _ARTIFACT,
     device: str | None = typer.Option(None, "--device", help="device whose AI Hub profiles to use"),

@@ -21,7 +21,8 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
-from toolchain.compile.capture import StepGraph, StepLayout, example_inputs
+from toolchain.artifact.layout import StepLayout
+from toolchain.compile.capture import StepGraph, example_inputs
 from toolchain.errors import MobcError
 
 OPSET = 21

@@ -24,8 +24,9 @@ import onnxruntime as ort
 from rich.table import Table
 
 from passes.registry import build
+from toolchain.artifact.chain import run_chain
 from toolchain.errors import MobcError, PassError
-from toolchain.ir.graphset import GraphEntry, GraphSet, run_chain
+from toolchain.ir.graphset import GraphEntry, GraphSet
 
 Feeds = dict[str, dict[str, np.ndarray]]
 

@@ -16,8 +16,11 @@ from typing import Any
 
 import passes as pass_registry
 from toolchain import __version__
-from toolchain.artifact.manifest import staging, write_graphs, write_manifest, write_rope
-from toolchain.compile.capture import StepLayout, layout_for, rope_tables
+from toolchain.artifact.chain import run_chain
+from toolchain.artifact.layout import StepLayout
+from toolchain.artifact.manifest import Manifest, ModelInfo
+from toolchain.compile.capture import layout_for, rope_tables
+from toolchain.compile.emit import staging, write_graphs, write_rope
 from toolchain.compile.export import export_cached
 from toolchain.compile.recipe import Recipe, check_against_model, load_recipe
 from toolchain.compile.report import write_report
@@ -32,7 +35,7 @@ from toolchain.compile.verify import (
     reference_case,
 )
 from toolchain.errors import RecipeError, VerificationError
-from toolchain.ir.graphset import GraphEntry, GraphSet, run_chain
+from toolchain.ir.graphset import GraphEntry, GraphSet
 from toolchain.runtime.greedy import decode_family, greedy
 from toolchain.runtime.sessions import ArtifactSessions
 
@@ -51,7 +54,7 @@ class Reporter:
 @dataclass
 class CompileResult:
     out_dir: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -70,21 +73,21 @@ def tool_versions() -> dict[str, str]:
     }
 
 
-def model_record(loaded: LoadedModel, layout: StepLayout) -> dict[str, Any]:
+def model_record(loaded: LoadedModel, layout: StepLayout) -> ModelInfo:
     cfg = loaded.config
-    return {
-        "family": cfg.model_type, "n_layers": layout.n_layers, "n_heads": layout.n_heads,
-        "n_kv": layout.n_kv, "head_dim": layout.head_dim, "hidden": layout.hidden, "vocab": layout.vocab,
-        "layer_kinds": list(layout.layer_kinds), "rope_per_kind": layout.rope_per_kind,
-        "sliding_window": layout.sliding_window, "max_position_embeddings": cfg.max_position_embeddings,
-        "eos_token_ids": eos_ids(cfg), "bos_token_id": getattr(cfg, "bos_token_id", None),
-        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
-        "has_chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
-        "diffusion": loaded.diffusion,  # masked-diffusion form (toolchain/diffusion/form.py) or None
-    }
+    return ModelInfo(
+        family=cfg.model_type, n_layers=layout.n_layers, n_heads=layout.n_heads, n_kv=layout.n_kv,
+        head_dim=layout.head_dim, hidden=layout.hidden, vocab=layout.vocab, layer_kinds=list(layout.layer_kinds),
+        rope_per_kind=layout.rope_per_kind, sliding_window=layout.sliding_window,
+        max_position_embeddings=cfg.max_position_embeddings, eos_token_ids=eos_ids(cfg),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        has_chat_template=bool(getattr(loaded.tokenizer, "chat_template", None)),
+        diffusion=loaded.diffusion,  # masked-diffusion form (toolchain/diffusion/form.py) or None
+    )
 
 
-class _Timer:
+class StageTimer:
     def __init__(self, reporter: Reporter):
         self.reporter = reporter
         self.timings: dict[str, float] = {}
@@ -98,7 +101,7 @@ class _Timer:
         self.reporter.done(name, self.timings[name], detail)
 
 
-def export_graphs(recipe: Recipe, loaded: LoadedModel, timer: _Timer) -> tuple[GraphSet, dict[str, StepLayout]]:
+def export_graphs(recipe: Recipe, loaded: LoadedModel, timer: StageTimer) -> tuple[GraphSet, dict[str, StepLayout]]:
     graphs, layouts = GraphSet(), {}
     for name, spec in recipe.graphs.items():
         layout = layout_for(loaded.config, spec.width, spec.context)
@@ -121,7 +124,7 @@ def reference_cases(loaded: LoadedModel, layouts: dict[str, StepLayout], rope: d
 
 
 def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: dict[str, Case],
-                    timer: _Timer) -> dict[str, Any]:
+                    timer: StageTimer) -> dict[str, Any]:
     """Numeric checks of the written graphs (files, not in-memory models)."""
     sessions = ArtifactSessions(folder)
     families: dict[str, Any] = {}
@@ -143,7 +146,7 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
     if n:
         with timer.stage(f"verify greedy {n} tokens vs generate"):
             ids = loaded.tokenizer(recipe.verify.prompt).input_ids
-            room = sessions.chain(decode_family(sessions))[0].record["context"] - 1
+            room = sessions.chain(decode_family(sessions))[0].context - 1
             if len(ids) + n > room:
                 raise RecipeError(
                     f"verify.greedy_tokens: the verification prompt ({len(ids)} tokens) plus {n} greedy tokens "
@@ -182,14 +185,14 @@ def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list
     from toolchain.qnn import context as qnn
 
     sessions = ArtifactSessions(folder)
-    graph_files = {name: folder / stage.record["file"] for name, stage in sessions.stages.items()}
+    graph_files = {name: folder / stage.file for name, stage in sessions.stages.items()}
     return qnn.emit_qnn(graph_files, folder / "qnn", recipe.qnn, stage_feeds(sessions, cases))
 
 
 def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force: bool = False,
                    reporter: Reporter | None = None) -> CompileResult:
     reporter = reporter or Reporter()
-    timer = _Timer(reporter)
+    timer = StageTimer(reporter)
     recipe_path = Path(recipe_path)
     recipe = load_recipe(recipe_path)
     for i, spec in enumerate(recipe.passes):  # reject bad pass names/options before any work
@@ -222,31 +225,30 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
             records, weights = write_graphs(tmp, graphs)
             rope_rec = write_rope(tmp, rope)
             loaded.tokenizer.save_pretrained(tmp / "tokenizer")
-            manifest: dict[str, Any] = {
-                "format": "mobc-artifact/1",
-                "name": recipe.name,
-                "source": {"spec": recipe.source.model_dump(exclude_none=True), "description": loaded.description,
-                           "fingerprint": loaded.fingerprint, "files": loaded.files},
-                "recipe": recipe.model_dump(mode="json"),
-                "recipe_file": str(recipe_path.resolve()),
-                "tools": tool_versions(),
-                "model": model_record(loaded, any_layout),
-                "graphs": records,
-                "weights": weights,
-                "rope": rope_rec,
-                "passes": pass_rows,
-            }
-            write_manifest(tmp, manifest)  # provisional: sessions read it; the folder is not in place yet
-        manifest["verification"] = verify_artifact(tmp, recipe, loaded, cases, timer)
+            manifest = Manifest(
+                name=recipe.name,
+                source={"spec": recipe.source.model_dump(exclude_none=True), "description": loaded.description,
+                        "fingerprint": loaded.fingerprint, "files": loaded.files},
+                recipe=recipe.model_dump(mode="json"),
+                recipe_file=str(recipe_path.resolve()),
+                tools=tool_versions(),
+                model=model_record(loaded, any_layout),
+                graphs=records,
+                weights=weights,
+                rope=rope_rec,
+                passes=pass_rows,
+            )
+            manifest.write(tmp)  # provisional: sessions read it; the folder is not in place yet
+        manifest.verification = verify_artifact(tmp, recipe, loaded, cases, timer)
         if recipe.qnn:
             with timer.stage(f"qnn context binaries (soc {recipe.qnn.soc_model}, htp v{recipe.qnn.htp_arch})"):
-                manifest["qnn"] = emit_qnn_stage(tmp, recipe, cases)
+                manifest.qnn = emit_qnn_stage(tmp, recipe, cases)
         if recipe.quantize:  # after passes and float verification: writes tmp/quantized/
             from toolchain.quantize.stage import pipeline_quantize, report_section
 
-            manifest["quantization"] = pipeline_quantize(tmp, recipe, loaded, timer)
-            manifest.setdefault("report_sections", []).append(report_section(manifest["quantization"]))
-        manifest["timings"] = timer.timings
+            manifest.quantization = pipeline_quantize(tmp, recipe, loaded, timer)
+            manifest.report_sections.append(report_section(manifest.quantization))
+        manifest.timings = timer.timings
         write_report(tmp, manifest)
-        write_manifest(tmp, manifest)
+        manifest.write(tmp)
     return CompileResult(out_dir=out_dir.resolve(), manifest=manifest, timings=timer.timings)

@@ -7,6 +7,8 @@ from typing import Any
 
 from rich.table import Table
 
+from toolchain.artifact.manifest import GraphRecord, IOSpec, Manifest
+
 Rows = tuple[list[str], list[list[str]]]
 
 
@@ -14,40 +16,39 @@ def _mb(n: int | float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def _shape(spec: dict[str, Any]) -> str:
-    return "[" + ",".join(str(d) for d in spec["shape"]) + "]"
+def _shape(spec: IOSpec) -> str:
+    return "[" + ",".join(str(d) for d in spec.shape) + "]"
 
 
-def graphs_rows(m: dict[str, Any]) -> Rows:
+def graphs_rows(m: Manifest) -> Rows:
     head = ["graph", "family", "role", "stage", "N", "CL", "inputs", "outputs", "nodes", "weights", ".onnx"]
-    rows = [[g["name"], g["family"], g["role"], str(g["stage"]), str(g["width"]), str(g["context"]),
-             str(len(g["inputs"])), str(len(g["outputs"])), str(g["nodes"]), _mb(g["weight_bytes"]),
-             _mb(g["onnx_bytes"])] for g in m["graphs"]]
+    rows = [[g.name, g.family, g.role, str(g.stage), str(g.width), str(g.context), str(len(g.inputs)),
+             str(len(g.outputs)), str(g.nodes), _mb(g.weight_bytes), _mb(g.onnx_bytes)] for g in m.graphs]
     return head, rows
 
 
-def io_rows(graph: dict[str, Any], limit: int = 8) -> Rows:
+def io_rows(graph: GraphRecord, limit: int = 8) -> Rows:
     """Inputs/outputs, with the per-layer K/V tensors folded into one line each."""
     head = ["direction", "name", "shape", "dtype"]
     rows: list[list[str]] = []
     for direction in ("inputs", "outputs"):
-        specs = graph[direction]
-        per_layer = [s for s in specs if s["name"].rsplit("_", 1)[-1].isdigit()]
+        specs: list[IOSpec] = getattr(graph, direction)
+        per_layer = [s for s in specs if s.name.rsplit("_", 1)[-1].isdigit()]
         others = [s for s in specs if s not in per_layer]
         for s in others:
-            rows.append([direction[:-1], s["name"], _shape(s), s["dtype"]])
-        groups: dict[str, list[dict[str, Any]]] = {}
+            rows.append([direction[:-1], s.name, _shape(s), s.dtype])
+        groups: dict[str, list[IOSpec]] = {}
         for s in per_layer:
-            groups.setdefault(s["name"].rsplit("_", 1)[0], []).append(s)
+            groups.setdefault(s.name.rsplit("_", 1)[0], []).append(s)
         for stem, items in groups.items():
-            first, last = items[0]["name"].rsplit("_", 1)[1], items[-1]["name"].rsplit("_", 1)[1]
-            label = items[0]["name"] if len(items) == 1 else f"{stem}_{{{first}..{last}}}"
-            rows.append([direction[:-1], label, _shape(items[0]), items[0]["dtype"]])
+            first, last = items[0].name.rsplit("_", 1)[1], items[-1].name.rsplit("_", 1)[1]
+            label = items[0].name if len(items) == 1 else f"{stem}_{{{first}..{last}}}"
+            rows.append([direction[:-1], label, _shape(items[0]), items[0].dtype])
     return head, rows[: limit * 4]
 
 
-def verification_rows(m: dict[str, Any]) -> Rows:
-    v = m.get("verification") or {}
+def verification_rows(m: Manifest) -> Rows:
+    v = m.verification or {}
     head = ["family", "max |logits diff|", "max |KV diff|", "argmax agree", "past rows", "within tolerance"]
     tol = v.get("tolerance", 0)
     rows = [[fam, f"{f['logits_max_abs']:.2e}", f"{f['kv_max_abs']:.2e}", f"{f['argmax_agree']:.0%}",
@@ -68,9 +69,8 @@ def ops_delta(before: dict[str, int], after: dict[str, int], limit: int = 6) -> 
     return (text + (f" (+{len(changes) - limit} more)" if len(changes) > limit else "")) or "-"
 
 
-def pass_rows(m: dict[str, Any] | list[dict[str, Any]]) -> Rows:
+def pass_rows(rows_in: list[dict[str, Any]]) -> Rows:
     """One row per pass (rows as toolchain.compile.pass_runner.run_passes records them)."""
-    rows_in = m.get("passes", []) if isinstance(m, dict) else m
     head = ["pass", "graphs", "nodes", "weights MB", "max |diff|", "worst output", "s", "ops changed"]
     rows = []
     for r in rows_in:
@@ -82,10 +82,10 @@ def pass_rows(m: dict[str, Any] | list[dict[str, Any]]) -> Rows:
     return head, rows
 
 
-def qnn_rows(m: dict[str, Any]) -> Rows:
+def qnn_rows(m: Manifest) -> Rows:
     head = ["graph", "status", "context binary", "build s", "max |diff| vs CPU", "worst output", "argmax agree"]
     rows = []
-    for r in m.get("qnn") or []:
+    for r in m.qnn or []:
         v = r.get("verify") or {}
         agree = v.get("argmax_agreement")
         if isinstance(agree, dict):  # per output: the logits' top-1 agreement
@@ -96,8 +96,8 @@ def qnn_rows(m: dict[str, Any]) -> Rows:
     return head, rows
 
 
-def timing_rows(m: dict[str, Any]) -> Rows:
-    return ["stage", "seconds"], [[k, f"{v:.2f}"] for k, v in m.get("timings", {}).items()]
+def timing_rows(m: Manifest) -> Rows:
+    return ["stage", "seconds"], [[k, f"{v:.2f}"] for k, v in m.timings.items()]
 
 
 def rich_table(title: str, rows: Rows, numeric: bool = False) -> Table:
@@ -118,15 +118,16 @@ def markdown_table(rows: Rows) -> str:
     return "\n".join(lines)
 
 
-def write_report(folder: Path, m: dict[str, Any]) -> None:
-    v = m.get("verification", {})
+def write_report(folder: Path, m: Manifest) -> None:
+    v = m.verification or {}
+    model = m.model
     parts = [
-        f"# {m['name']}",
+        f"# {m.name}",
         "",
-        f"Source: `{m['source']['description']}` ({m['model']['family']}, {m['model']['n_layers']} layers, "
-        f"{m['model']['n_heads']} heads / {m['model']['n_kv']} KV heads, head_dim {m['model']['head_dim']}, "
-        f"vocab {m['model']['vocab']}). Weights: {_mb(m['weights']['bytes'])} in `{m['weights']['file']}` "
-        f"({_mb(m['weights']['bytes_saved_by_sharing'])} saved by sharing across graphs).",
+        f"Source: `{m.source['description']}` ({model.family}, {model.n_layers} layers, "
+        f"{model.n_heads} heads / {model.n_kv} KV heads, head_dim {model.head_dim}, "
+        f"vocab {model.vocab}). Weights: {_mb(m.weights['bytes'])} in `{m.weights['file']}` "
+        f"({_mb(m.weights['bytes_saved_by_sharing'])} saved by sharing across graphs).",
         "",
         "## Graphs",
         "",
@@ -143,12 +144,12 @@ def write_report(folder: Path, m: dict[str, Any]) -> None:
         parts += ["", f"Greedy decoding, {g['tokens']} tokens through `{g['decode_family']}`: "
                   + ("identical to transformers' generate." if g["identical"] else
                      f"DIVERGES at token {g['first_mismatch']}.")]
-    if m.get("passes"):
-        parts += ["", "## Passes", "", markdown_table(pass_rows(m))]
-    if m.get("qnn"):
+    if m.passes:
+        parts += ["", "## Passes", "", markdown_table(pass_rows(m.passes))]
+    if m.qnn:
         parts += ["", "## QNN HTP context binaries (emulated HTP vs CPU EP, same inputs)", "",
                   markdown_table(qnn_rows(m))]
-    for extra in m.get("report_sections", []):
+    for extra in m.report_sections:
         parts += ["", extra]
     parts += ["", "## Timings", "", markdown_table(timing_rows(m)), ""]
     (folder / "report.md").write_text("\n".join(parts))

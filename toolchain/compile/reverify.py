@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolchain.artifact.manifest import check_files, load_manifest
+from toolchain.artifact.manifest import Manifest
 from toolchain.compile.capture import layout_for, rope_tables
 from toolchain.compile.recipe import parse_recipe
 from toolchain.compile.source import load
@@ -12,22 +12,22 @@ from toolchain.errors import ArtifactError
 
 
 def reverify(folder: str | Path, reporter) -> bool:
-    from toolchain.compile.pipeline import _Timer, reference_cases, verify_artifact
+    from toolchain.compile.pipeline import StageTimer, reference_cases, verify_artifact
 
     folder = Path(folder)
-    manifest = load_manifest(folder)
-    timer = _Timer(reporter)
+    manifest = Manifest.load(folder)
+    timer = StageTimer(reporter)
     with timer.stage("file checksums"):
-        bad = check_files(folder, manifest)
+        bad = manifest.changed_files(folder)
     if bad:
         raise ArtifactError(
             f"{folder}: files changed or missing since compile: {', '.join(bad[:5])}; recompile the recipe"
         )
-    recipe = parse_recipe(manifest["recipe"], origin=f"{folder}/manifest.json recipe")
-    base = Path(manifest.get("recipe_file", folder)).parent
+    recipe = parse_recipe(manifest.recipe or {}, origin=f"{folder}/manifest.json recipe")
+    base = Path(manifest.recipe_file or folder).parent
     with timer.stage("load model", recipe.source.describe()):
         loaded = load(recipe.source, base=base)
-    if loaded.fingerprint != manifest["source"]["fingerprint"]:
+    if loaded.fingerprint != manifest.source["fingerprint"]:
         raise ArtifactError(
             f"the source model {recipe.source.describe()} changed since this artifact was compiled "
             "(weights fingerprint differs); recompile the recipe"

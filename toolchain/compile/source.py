@@ -82,7 +82,7 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(files: list[Path]) -> str:
+def fingerprint_files(files: list[Path]) -> str:
     h = hashlib.sha256()
     for f in sorted(files):
         h.update(f.name.encode())
@@ -195,7 +195,7 @@ def load(spec: SourceSpec, base: Path | None = None) -> LoadedModel:
     source_files = [folder / gguf] if gguf else sorted(
         p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json", ".model"}
     )
-    fingerprint = _fingerprint([p.resolve() for p in source_files])
+    fingerprint = fingerprint_files([p.resolve() for p in source_files])
     kw: dict[str, Any] = {"local_files_only": True}
     cached = cache_root() / "models" / fingerprint[:24]
     if gguf and (cached / "config.json").is_file():

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from toolchain.compile.capture import MASK_MIN, StepLayout
+from toolchain.artifact.layout import MASK_MIN, StepLayout
 from toolchain.errors import VerificationError
 from toolchain.runtime.cache import KVCache
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from toolchain.cost.model import CostModel, GraphCost
-from toolchain.runtime.model import StepModel
+
+if TYPE_CHECKING:  # prices read a model's call counters; the runtime imports this module, not back
+    from toolchain.runtime.model import StepModel
 
 
 @cache
@@ -47,12 +50,12 @@ class Prices:
         if not rest:
             return s.chain(key)
         if kind == "body":
-            return [st for st in s.chain(rest) if st.record["role"] != "lm_head"]
+            return [st for st in s.chain(rest) if st.role != "lm_head"]
         if kind == "stage":
             return [s.stages[rest]]
         if kind == "tail":  # stages from a part onward, e.g. tail:tree16:1 (pruned verification)
             fam, _, start = rest.rpartition(":")
-            return [st for st in s.chain(fam) if st.record["role"] != "lm_head" and st.stage >= int(start)]
+            return [st for st in s.chain(fam) if st.role != "lm_head" and st.stage >= int(start)]
         if kind == "head":  # stages up to (excluding) a part, e.g. head:tree32:1
             fam, _, stop = rest.rpartition(":")
             return [st for st in s.chain(fam) if st.stage < int(stop)]
@@ -79,7 +82,7 @@ class PhonePrices(Prices):
         self.cost_model.place(self.cost(model.decode_family))
 
     def cost(self, key: str) -> GraphCost:
-        return _sum([_stage_cost(str(self.model.folder / st.record["file"]), st.name, st.record["width"]) for st in self.stages(key)])
+        return _sum([_stage_cost(str(self.model.folder / st.file), st.name, st.width) for st in self.stages(key)])
 
     def _price(self, key: str) -> float:
         return self.cost_model.call_latency(self.cost(key)).total_s
@@ -96,15 +99,14 @@ class CpuPrices(Prices):
         self.repeats = repeats
 
     def _price(self, key: str) -> float:
-        from toolchain.runtime.sessions import _DTYPES
-
         best = float("inf")
         for _ in range(self.repeats):
             t = time.perf_counter()
             for st in self.stages(key):
                 feeds = {}
-                for i in st.record["inputs"]:
-                    feeds[i["name"]] = np.zeros(i["shape"], _DTYPES.get(i["dtype"], np.float32))
+                for name in st.input_names:
+                    shape, dtype = st.input_shape(name)
+                    feeds[name] = np.zeros(shape, np.dtype(dtype))
                 self.model.sessions.run_stage(st, feeds)
             best = min(best, time.perf_counter() - t)
         return best

@@ -48,7 +48,7 @@ def build(artifact: str | Path, soc_model: int = 57, htp_arch: int = 75) -> list
     model = StepModel(artifact, io_binding=False)
     fam = diffusion_setup(model)[0]
     feeds = block_feeds(model)
-    files = {st.name: artifact / st.record["file"] for st in model.sessions.chain(fam)}
+    files = {st.name: artifact / st.file for st in model.sessions.chain(fam)}
     spec = qnn.QnnSpec(soc_model=soc_model, htp_arch=htp_arch, fp16=True, verify=True)
     records = qnn.emit_qnn(files, artifact / "qnn", spec, feeds=lambda name: feeds[name])
     (artifact / "qnn" / "diffusion_qnn.json").write_text(json.dumps(records, indent=1))

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from toolchain.artifact.layout import MASK_MIN
 from toolchain.runtime.diffusion_schedule import transfer_counts
 
 PROMPTS = (
@@ -22,10 +23,18 @@ PROMPTS = (
 )
 
 
-def _block_mask(starts: list[int], length: int) -> torch.Tensor:
-    from toolchain.train.diffusion import MASK_NEG, block_causal
+def block_causal(starts: list[int], length: int) -> torch.Tensor:
+    """[L, L] bool: query i sees key j iff j's block starts at or before i's block start."""
+    bid = np.zeros(length, dtype=np.int64)
+    for k, s in enumerate(sorted(starts)):
+        bid[s:] = k
+    return torch.from_numpy(bid[None, :] <= bid[:, None])
 
-    return torch.where(block_causal(starts, length), 0.0, MASK_NEG)[None, None]
+
+
+def block_mask(starts: list[int], length: int) -> torch.Tensor:
+    """[1, 1, L, L] additive mask of block-causal attention (what the diffusion graphs are fed)."""
+    return torch.where(block_causal(starts, length), 0.0, MASK_MIN)[None, None]
 
 
 @torch.no_grad()
@@ -39,7 +48,7 @@ def generate(model: Any, ids: list[int], mask_id: int, block: int = 32, steps: i
         seq.extend([mask_id] * block)
         for k in transfer_counts(block, steps):
             x = torch.tensor([seq])
-            logits = model(x, attention_mask=_block_mask(starts, len(seq))).logits[0].float()
+            logits = model(x, attention_mask=block_mask(starts, len(seq))).logits[0].float()
             logits[:, mask_id] = -torch.inf  # never decode the mask token itself
             probs = torch.softmax(logits, -1)
             masked = [j for j in range(lo, lo + block) if seq[j] == mask_id]

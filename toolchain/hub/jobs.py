@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from toolchain.artifact.manifest import load_manifest, write_manifest
+from toolchain.artifact.manifest import GraphRecord, Manifest
 from toolchain.errors import ArtifactError
 from toolchain.hub.client import RUNTIMES, HubClient, HubError, HubJob, InputSpecs
 
@@ -48,69 +48,69 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def input_specs(graph: dict[str, Any]) -> InputSpecs:
+def input_specs(graph: GraphRecord) -> InputSpecs:
     specs: InputSpecs = {}
-    for i in graph["inputs"]:
-        dtype = _DTYPES.get(i["dtype"])
-        if dtype is None or not all(isinstance(d, int) for d in i["shape"]):
+    for i in graph.inputs:
+        dtype = _DTYPES.get(i.dtype)
+        if dtype is None or not all(isinstance(d, int) for d in i.shape):
             raise HubError(
-                f"graph {graph['name']}: input {i['name']} is {i['dtype']} {i['shape']}; AI Hub takes static "
+                f"graph {graph.name}: input {i.name} is {i.dtype} {i.shape}; AI Hub takes static "
                 f"shapes of {', '.join(sorted(set(_DTYPES.values())))}; change the graph's inputs"
             )
-        specs[i["name"]] = (tuple(i["shape"]), dtype)
+        specs[i.name] = (tuple(i.shape), dtype)
     return specs
 
 
-def is_quantized(manifest: dict[str, Any]) -> bool:
-    return "quantization" in manifest or any(g.get("encodings") for g in manifest["graphs"])
+def is_quantized(manifest: Manifest) -> bool:
+    return manifest.quantization is not None or any(g.encodings for g in manifest.graphs)
 
 
-def compile_options(graph: dict[str, Any], runtime: str, quantized: bool, extra: str = "") -> str:
+def compile_options(graph: GraphRecord, runtime: str, quantized: bool, extra: str = "") -> str:
     """AI Hub compile flags for one graph (the flag set ai-hub-models uses for its LLM parts)."""
     opts = [f"--target_runtime {runtime}"]
     if runtime in ("qnn_context_binary", "qnn_dlc"):
-        opts.append(f"--qnn_graph_name {graph['name']}")
-    opts.append("--output_names " + ",".join(o["name"] for o in graph["outputs"]))
+        opts.append(f"--qnn_graph_name {graph.name}")
+    opts.append("--output_names " + ",".join(o.name for o in graph.outputs))
     if quantized:
         opts.append("--quantize_io")  # keep the QDQ graph's integer I/O instead of float wrappers
-    if any(i["dtype"] == "int64" for i in graph["inputs"] + graph["outputs"]):
+    if any(i.dtype == "int64" for i in graph.inputs + graph.outputs):
         opts.append("--truncate_64bit_io")
     if extra.strip():
         opts.append(extra.strip())
     return " ".join(opts)
 
 
-def link_groups(graphs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+def link_groups(graphs: list[GraphRecord]) -> dict[str, list[GraphRecord]]:
     """Graphs that hold the same weights (same stage of a split, same layers): one binary each."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[GraphRecord]] = {}
     for g in graphs:
-        key = "lm_head" if g["role"] == "lm_head" else f"stage{g.get('stage', 0)}"
-        layers = g.get("meta", {}).get("layers")
+        key = "lm_head" if g.role == "lm_head" else f"stage{g.stage}"
+        layers = g.meta.get("layers")
         if layers:
             key += "_layers" + "-".join(str(x) for x in layers)
         groups.setdefault(key, []).append(g)
     return groups
 
 
-def stage_graph(artifact: Path, graph: dict[str, Any], tmp: Path, with_encodings: bool) -> Path:
+def stage_graph(artifact: Path, graph: GraphRecord, tmp: Path, with_encodings: bool) -> Path:
     """Write <graph>.onnx with its own .data (and .encodings) in tmp; returns what to upload."""
     import onnx_ir as ir
 
-    enc = artifact / graph["encodings"] if with_encodings and graph.get("encodings") else None
-    folder = tmp / (graph["name"] + (".aimet" if enc else ""))
+    enc = artifact / graph.encodings if with_encodings and graph.encodings else None
+    folder = tmp / (graph.name + (".aimet" if enc else ""))
     folder.mkdir(parents=True)
-    model = ir.load(artifact / graph["file"])
-    ir.save(model, folder / f"{graph['name']}.onnx", external_data=f"{graph['name']}.data")
+    model = ir.load(artifact / graph.file)
+    ir.save(model, folder / f"{graph.name}.onnx", external_data=f"{graph.name}.data")
     if enc is not None:
-        shutil.copyfile(enc, folder / f"{graph['name']}.encodings")
+        shutil.copyfile(enc, folder / f"{graph.name}.encodings")
     files = list(folder.iterdir())
     return files[0] if len(files) == 1 else folder
 
 
-def _load(artifact: Path, client: HubClient) -> dict[str, Any]:
+def _load(artifact: Path, client: HubClient) -> Manifest:
     client.check_configured()  # first: a missing token must fail before any other work
-    manifest = load_manifest(artifact)
-    missing = [g["file"] for g in manifest["graphs"] if not (artifact / g["file"]).is_file()]
+    manifest = Manifest.load(artifact)
+    missing = [g.file for g in manifest.graphs if not (artifact / g.file).is_file()]
     if missing:
         raise ArtifactError(f"{artifact}: graph files missing: {', '.join(missing)}; recompile the recipe")
     return manifest
@@ -131,12 +131,11 @@ def _staging(dest: Path) -> Path:
     return tmp
 
 
-def _save_record(artifact: Path, manifest: dict[str, Any], slug: str, record: dict[str, Any]) -> None:
+def _save_record(artifact: Path, manifest: Manifest, slug: str, record: dict[str, Any]) -> None:
     prefix = f"{HUB_DIR}/{slug}/"
-    known = {k: v for k, v in manifest.get("files", {}).items() if not k.startswith(prefix)}
-    manifest.setdefault("hub", {})[slug] = record
-    manifest["_known_sha"] = known  # the big files did not change; only hub/<slug>/ is re-hashed
-    write_manifest(artifact, manifest)
+    known = {k: v for k, v in manifest.files.items() if not k.startswith(prefix)}
+    manifest.hub = {**(manifest.hub or {}), slug: record}
+    manifest.write(artifact, known_sha=known)  # the big files did not change; only hub/<slug>/ is re-hashed
 
 
 def _specs_record(specs: InputSpecs) -> dict[str, Any]:
@@ -163,7 +162,7 @@ def hub_compile(
     device = client.device(device_name)
     slug = device_slug(device.name)
     quantized = is_quantized(manifest)
-    graphs = manifest["graphs"]
+    graphs = manifest.graphs
     groups = link_groups(graphs)
     can_link = runtime == "qnn_context_binary" and any(len(v) > 1 for v in groups.values())
     if link and not can_link:
@@ -182,15 +181,15 @@ def hub_compile(
             specs = input_specs(g)
             opts = compile_options(g, compile_runtime, quantized, extra_options)
             if dry_run:
-                upload = Path(tmp) / f"{g['name']}.onnx"
+                upload = Path(tmp) / f"{g.name}.onnx"
             else:
                 upload = stage_graph(artifact, g, Path(tmp), with_encodings=encodings and quantized)
             job = client.submit_compile(
-                upload, device, name=f"{manifest['name']}_{g['name']}", options=opts, input_specs=specs
+                upload, device, name=f"{manifest.name}_{g.name}", options=opts, input_specs=specs
             )
-            say(f"compile {g['name']}: job {job.job_id} {job.url}")
-            jobs[g["name"]] = job
-            rec_compile[g["name"]] = {**job.record(), "options": opts, "input_specs": _specs_record(specs)}
+            say(f"compile {g.name}: job {job.job_id} {job.url}")
+            jobs[g.name] = job
+            rec_compile[g.name] = {**job.record(), "options": opts, "input_specs": _specs_record(specs)}
     for job in jobs.values():
         client.wait(job, timeout)
 
@@ -198,13 +197,13 @@ def hub_compile(
     producers: dict[str, tuple[HubJob, str]] = {}  # graph -> (job whose target model holds it, file stem)
     if do_link:
         for key, members in groups.items():
-            name = f"{manifest['name']}_{key}"
-            job = client.submit_link([jobs[g["name"]] for g in members], device, name=name)
-            say(f"link {', '.join(g['name'] for g in members)}: job {job.job_id} {job.url}")
+            name = f"{manifest.name}_{key}"
+            job = client.submit_link([jobs[g.name] for g in members], device, name=name)
+            say(f"link {', '.join(g.name for g in members)}: job {job.job_id} {job.url}")
             client.wait(job, timeout)
-            rec_link[key] = {**job.record(), "graphs": [g["name"] for g in members]}
+            rec_link[key] = {**job.record(), "graphs": [g.name for g in members]}
             for g in members:
-                producers[g["name"]] = (job, name)
+                producers[g.name] = (job, name)
     else:
         producers = {n: (j, n) for n, j in jobs.items()}
 
@@ -237,8 +236,8 @@ def hub_compile(
     return record
 
 
-def _device_record(manifest: dict[str, Any], device_name: str | None) -> tuple[str, dict[str, Any]]:
-    hub = manifest.get("hub", {})
+def _device_record(manifest: Manifest, device_name: str | None) -> tuple[str, dict[str, Any]]:
+    hub = (manifest.hub or {})
     if device_name is None:
         if len(hub) == 1:
             return next(iter(hub.items()))
@@ -280,7 +279,7 @@ def hub_profile(
         opts = " ".join(x for x in (opts, extra_options.strip()) if x)
         producer = HubJob(model["job_id"], model["kind"], graph)
         job = client.submit_profile(
-            producer, device, name=f"{manifest['name']}_{graph}_profile", options=opts
+            producer, device, name=f"{manifest.name}_{graph}_profile", options=opts
         )
         say(f"profile {graph}: job {job.job_id} {job.url}")
         jobs[graph] = (job, opts)
@@ -347,13 +346,13 @@ def hub_calibrate(
     from toolchain.cost.onnx_graph import graph_cost
 
     artifact = Path(artifact)
-    manifest = load_manifest(artifact)
-    by_name = {g["name"]: g for g in manifest["graphs"]}
+    manifest = Manifest.load(artifact)
+    by_name = {g.name: g for g in manifest.graphs}
     record: dict[str, Any] | None = None
     if profiles:
         slug = device_slug(device_name) if device_name else "local"
-        if device_name and device_slug(device_name) in manifest.get("hub", {}):
-            record = manifest["hub"][slug]
+        if device_name and device_slug(device_name) in (manifest.hub or {}):
+            record = manifest.hub[slug]
     else:
         slug, record = _device_record(manifest, device_name)
         if not record.get("profile"):
@@ -365,17 +364,17 @@ def hub_calibrate(
     if unknown:
         raise HubError(f"no graph named {', '.join(unknown)} in this artifact; graphs: {', '.join(by_name)}")
     base_profile = load_profile(base) if base else _base_for(record, device_name)
-    ms = [measure(g, p, graph_cost(artifact / by_name[g]["file"])) for g, p in profiles.items()]
+    ms = [measure(g, p, graph_cost(artifact / by_name[g].file)) for g, p in profiles.items()]
     fitted = calibrate(base_profile, ms, name=f"{slug}-measured")
     if out is None:
         (artifact / HUB_DIR / slug).mkdir(parents=True, exist_ok=True)
         out = artifact / HUB_DIR / slug / "device_profile.yaml"
     save_profile(fitted, out, base=base_profile.name)
-    if out.resolve().is_relative_to(artifact.resolve()) and slug in manifest.get("hub", {}):
-        manifest["hub"][slug]["calibration"] = {
+    if out.resolve().is_relative_to(artifact.resolve()) and slug in (manifest.hub or {}):
+        manifest.hub[slug]["calibration"] = {
             "file": str(out.resolve().relative_to(artifact.resolve())),
             "dram_efficiency": fitted.dram_efficiency,
             "npu_efficiency": fitted.npu_efficiency,
         }
-        _save_record(artifact, manifest, slug, manifest["hub"][slug])
+        _save_record(artifact, manifest, slug, manifest.hub[slug])
     return fitted, out

@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from toolchain.artifact.manifest import load_manifest
+from toolchain.artifact.manifest import Manifest
 from toolchain.errors import ArtifactError
-from toolchain.lora.adapters import Adapter, resolve_adapter
 from toolchain.qnn import context as qnn
 from toolchain.quantize.qnn_check import ContextSessions
+from toolchain.runtime.adapters import Adapter, resolve_adapter
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.ctg import CTG, sequential_styles
 from toolchain.runtime.policies.sampling import Sampler
@@ -42,7 +42,7 @@ RESULT_FILE = "adapters_qnn.json"
 
 def htp_sessions(artifact: Path) -> ContextSessions:
     """Sessions over the context binaries the compile's qnn stage wrote (manifest["qnn"])."""
-    records = load_manifest(artifact).get("qnn") or []
+    records = Manifest.load(artifact).qnn or []
     built = [r for r in records if r.get("context_model")]
     if not built:
         raise ArtifactError(

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from toolchain.compile.verify import real_text
-from toolchain.lora.adapters import resolve_adapter
+from toolchain.runtime.adapters import resolve_adapter
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
 from toolchain.runtime.policies.ctg import bind_adapters
@@ -50,7 +50,7 @@ def verify_adapters(artifact: Path, names: Sequence[str], loaded: Any, n_tokens:
     model = StepModel(artifact)
     base = loaded.model
     ids = loaded.tokenizer(real_text()).input_ids[:n_tokens]
-    prompt = loaded.tokenizer(model.manifest["recipe"]["verify"]["prompt"]).input_ids
+    prompt = loaded.tokenizer(model.manifest.recipe["verify"]["prompt"]).input_ids
     base_logits = _torch_logits(base, ids)
     bind_adapters(model, [])
     zero_vs_base = _diff(artifact_logits(model, ids), base_logits)

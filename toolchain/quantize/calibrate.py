@@ -66,13 +66,13 @@ def filler_family(sessions: ArtifactSessions) -> str:
     """The widest graph family: used to fill caches quickly (prefill if the artifact has one)."""
     fam = family_by_role(sessions, "prefill")
     if fam is None:
-        fam = max(sessions.families(), key=lambda f: sessions.chain(f)[0].record["width"])
+        fam = max(sessions.families(), key=lambda f: sessions.chain(f)[0].width)
     return fam
 
 
 def advance(sessions: ArtifactSessions, fam: str, cache: KVCache, tokens: list[int]) -> None:
     """Commits `tokens` to the cache through the float graph `fam`, width-sized chunks."""
-    width = sessions.chain(fam)[0].record["width"]
+    width = sessions.chain(fam)[0].width
     for s in range(0, len(tokens), width):
         chunk = tokens[s : s + width]
         outs = sessions.run_family(fam, cache.step_inputs(chunk, width))
@@ -151,8 +151,8 @@ def cache_key(sessions: ArtifactSessions, family: str, tokens: list[int], sample
               variant: str = "") -> str:
     """Content hash of everything the ranges depend on: graphs (and the rewrite `variant` calibrated
     in their place), weights, text, sample plan."""
-    h = hashlib.sha256(json.dumps([sessions.manifest["weights"]["sha256"], samples, seed, CACHE_VERSION, variant,
-                                   [st.record["sha256"] for st in sessions.chain(family)]]).encode())
+    h = hashlib.sha256(json.dumps([sessions.manifest.weights["sha256"], samples, seed, CACHE_VERSION, variant,
+                                   [st.sha256 for st in sessions.chain(family)]]).encode())
     h.update(np.asarray(tokens, np.int64).tobytes())
     return h.hexdigest()[:32]
 
@@ -179,7 +179,7 @@ def calibrate_family(sessions: ArtifactSessions, family: str, tokens: list[int],
 def _calibrate(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int,
                work: Path, graphs: dict[str, Path]) -> dict[str, TensorsData]:
     chain = sessions.chain(family)
-    cals = {st.name: GraphCalibrator(graphs.get(st.name, sessions.folder / st.record["file"]), work) for st in chain}
+    cals = {st.name: GraphCalibrator(graphs.get(st.name, sessions.folder / st.file), work) for st in chain}
     for feeds in family_feeds(sessions, family, tokens, samples, seed):
         env = dict(feeds)
         for i, st in enumerate(chain):

@@ -92,7 +92,7 @@ def eval_artifact(folder: str | Path, n_tokens: int = 1024, text: str | None = N
     qdir = folder / QUANT_DIR
     if (qdir / "manifest.json").is_file():
         qs = ArtifactSessions(qdir)
-        tag = qs.manifest.get("quantization", {}).get("scheme", "quantized")
+        tag = (qs.manifest.quantization or {}).get("scheme", "quantized")
         q, _ = perplexity(qs, tokens, ref_logits)
         row = q.row()
         row["rel_change"] = round(q.ppl / base.ppl - 1.0, 5)

@@ -47,7 +47,7 @@ def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int]
     # costs minutes (measured SmolLM2 w4a16: a decode call ~50 s), and the prefill graph gets its
     # own one-call check in check_quantized
     pre = fam if len(ids) <= 32 else (family_by_role(cpu, "prefill") or fam)
-    width = cpu.chain(pre)[0].record["width"]
+    width = cpu.chain(pre)[0].width
     last = []
     for sess, cache in zip((cpu, htp), caches, strict=True):
         logits = None
@@ -85,7 +85,7 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
     for fam in cpu.families():
         feeds = next(iter(family_feeds(cpu, fam, held, 1, seed=1)))
         for st in cpu.chain(fam):
-            path = qdir / st.record["file"]
+            path = qdir / st.file
             log(f"building the HTP context binary of {st.name}")
             b = qnn.build_context_binary(path, out, soc_model, htp_arch, fp16=False, name=st.name)
             ctx[st.name] = b.model

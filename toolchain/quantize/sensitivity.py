@@ -46,7 +46,7 @@ def sensitivity(folder: Path, tokenizer: Any, graph: str = "decode", samples: in
     """One row per (layer, block) with its worst local and accumulated SQNR, worst first."""
     fl = ArtifactSessions(folder)
     feeds = list(family_feeds(fl, graph, corpus_tokens(tokenizer, "heldout", 4096), samples, seed=3))
-    names = [i["name"] for i in fl.stages[graph].record["inputs"]]
+    names = fl.stages[graph].input_names
     feeds = [{k: f[k] for k in names} for f in feeds]
     producer = {o: n.name for n in onnx.load(folder / f"{graph}.onnx", load_external_data=False).graph.node
                 for o in n.output}
@@ -104,7 +104,7 @@ def kl_ablation(folder: Path, tokenizer: Any, graph: str = "prefill", samples: i
     from toolchain.quantize.graph_qat import QdqTorch, mean_kl, torch_feeds
 
     fl = ArtifactSessions(folder)
-    names = [i["name"] for i in fl.stages[graph].record["inputs"]]
+    names = fl.stages[graph].input_names
     feeds = [torch_feeds({k: f[k] for k in names})
              for f in family_feeds(fl, graph, corpus_tokens(tokenizer, "heldout", 4096), samples, seed=3)]
     net = QdqTorch(onnx.load(folder / "quantized" / f"{graph}.onnx"))

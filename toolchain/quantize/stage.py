@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from toolchain.artifact.manifest import ROPE, write_graphs, write_manifest
+from toolchain.artifact.manifest import ROPE, Manifest
+from toolchain.compile.emit import write_graphs
 from toolchain.errors import QuantizeError
 from toolchain.ir.graphset import GraphEntry, GraphSet
 from toolchain.quantize.calibrate import (
@@ -60,7 +61,7 @@ def prepare_grids(folder: Path, sessions: ArtifactSessions, spec: QuantizeSpec,
     out = {}
     for name, st in sessions.stages.items():
         path = work / f"{name}.grid.onnx"
-        fitted = prepare_grid(folder / st.record["file"], path, spec)
+        fitted = prepare_grid(folder / st.file, path, spec)
         if fitted:
             out[name] = (path, fitted)
     return out
@@ -85,7 +86,7 @@ def share_ranges(folder: Path, sessions: ArtifactSessions, ranges: dict[str, Any
 
     producers = {}
     for name, st in sessions.stages.items():
-        g = onnx.load(folder / st.record["file"], load_external_data=False).graph
+        g = onnx.load(folder / st.file, load_external_data=False).graph
         producers[name] = {o: n.name for n in g.node for o in n.output} | {i.name: "input" for i in g.input}
     union: dict[tuple[str, str], list[float]] = {}
     for name, tensors in ranges.items():
@@ -136,7 +137,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     sessions = ArtifactSessions(folder)
-    context = max(s.record["context"] for s in sessions.stages.values())
+    context = max(s.context for s in sessions.stages.values())
     tokens = corpus_tokens(tokenizer, "calibration", max(4 * context, 4096))
     timings: dict[str, float] = {}
     qat_record: dict[str, Any] | None = None
@@ -163,7 +164,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
         graphs = GraphSet()
         schemes: dict[str, Any] = {}
         for name, st in sessions.stages.items():
-            src, fitted = grid.get(name, (folder / st.record["file"], None))
+            src, fitted = grid.get(name, (folder / st.file, None))
             schemes[name] = quantize_graph(src, work / f"{name}.onnx", spec, ranges[name], kv_params, fitted)
         timings["qdq"] = round(time.perf_counter() - t, 2)
         if spec.method == "qat":
@@ -172,18 +173,16 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
             timings["qat"] = round(time.perf_counter() - t, 2)
         for name, st in sessions.stages.items():
             dst = work / f"{name}.onnx"
-            rec = st.record
-            graphs.add(GraphEntry(name=name, model=ir.load(dst), family=rec["family"], role=rec["role"],
-                                  width=rec["width"], context=rec["context"], stage=rec["stage"],
-                                  meta=dict(rec.get("meta", {}))))
+            graphs.add(GraphEntry(name=name, model=ir.load(dst), family=st.family, role=st.role,
+                                  width=st.width, context=st.context, stage=st.stage, meta=dict(st.meta)))
         out.mkdir()  # only now: calibration, QDQ or QAT failing leaves no quantized/ that looks complete
         records, weights = write_graphs(out, graphs)
     del graphs
     for rec in records:
-        enc = write_encodings(out / rec["file"], out / f"{Path(rec['file']).stem}.encodings.json")
-        rec["quantization"] = scheme_summary(enc)
-        rec["encodings"] = f"{Path(rec['file']).stem}.encodings.json"
-        rec["float_weight_bytes"] = sessions.stages[rec["name"]].record["weight_bytes"]
+        enc = write_encodings(out / rec.file, out / f"{Path(rec.file).stem}.encodings.json")
+        rec.quantization = scheme_summary(enc)
+        rec.encodings = f"{Path(rec.file).stem}.encodings.json"
+        rec.float_weight_bytes = sessions.stages[rec.name].weight_bytes
     shutil.copy(folder / ROPE, out / ROPE)
     shutil.copytree(folder / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
     record = {
@@ -195,28 +194,15 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
                           "mobc: feeds, streamed calibration, pattern overrides, tied KV, QAT, encodings",
     }
     float_manifest = sessions.manifest
-    manifest = {
-        "format": float_manifest["format"], "name": f"{float_manifest['name']}-{spec.tag()}",
-        "source": float_manifest["source"], "tools": float_manifest.get("tools"), "model": float_manifest["model"],
-        "graphs": records, "weights": weights, "rope": float_manifest["rope"], "quantization": record,
-    }
-    write_manifest(out, manifest)
+    Manifest(name=f"{float_manifest.name}-{spec.tag()}", source=float_manifest.source, tools=float_manifest.tools,
+             model=float_manifest.model, graphs=records, weights=weights, rope=float_manifest.rope,
+             quantization=record).write(out)
     record["seconds"] = round(time.perf_counter() - t0, 2)
     return {"folder": QUANT_DIR, "scheme": spec.tag(), "weights_bytes": weights["bytes"],
-            "float_weights_bytes": float_manifest["weights"]["bytes"],
-            "graphs": {r["name"]: {"weight_bytes": r["weight_bytes"], "float_weight_bytes": r["float_weight_bytes"],
-                                   "quantization": r["quantization"]} for r in records},
+            "float_weights_bytes": float_manifest.weights["bytes"],
+            "graphs": {r.name: {"weight_bytes": r.weight_bytes, "float_weight_bytes": r.float_weight_bytes,
+                                "quantization": r.quantization} for r in records},
             "kv_tied": bool(kv_record), "timings": timings, "qat": qat_record}
-
-
-def json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    raise TypeError(type(o))
-
-
-def dump(record: dict[str, Any]) -> str:
-    return json.dumps(record, default=json_default, indent=1)
 
 
 def pipeline_quantize(folder: Path, recipe: Any, loaded: Any, timer: Any) -> dict[str, Any]:

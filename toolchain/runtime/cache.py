@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from toolchain.compile.capture import MASK_MIN, StepLayout
+from toolchain.artifact.layout import MASK_MIN, StepLayout
 from toolchain.errors import MobcError
 
 

@@ -12,16 +12,16 @@ from toolchain.runtime.sessions import ArtifactSessions
 
 def family_by_role(sessions: ArtifactSessions, role: str) -> str | None:
     """The family whose first stage has the role (decode/prefill/...), widest first for prefill."""
-    fams = [f for f in sessions.families() if sessions.chain(f)[0].record["role"] == role]
+    fams = [f for f in sessions.families() if sessions.chain(f)[0].role == role]
     if not fams:
         return None
-    return max(fams, key=lambda f: sessions.chain(f)[0].record["width"])
+    return max(fams, key=lambda f: sessions.chain(f)[0].width)
 
 
 def decode_family(sessions: ArtifactSessions) -> str:
     fam = family_by_role(sessions, "decode")
     if fam is None:
-        widths = {f: sessions.chain(f)[0].record["width"] for f in sessions.families()}
+        widths = {f: sessions.chain(f)[0].width for f in sessions.families()}
         fam = min(widths, key=widths.get)
     return fam
 
@@ -42,7 +42,7 @@ def prefill(sessions: ArtifactSessions, cache: KVCache, ids: Sequence[int]) -> n
     Returns the logits of the last prompt token.
     """
     fam = family_by_role(sessions, "prefill") or decode_family(sessions)
-    width = sessions.chain(fam)[0].record["width"]
+    width = sessions.chain(fam)[0].width
     logits = None
     for start in range(0, len(ids), width):
         chunk = ids[start : start + width]

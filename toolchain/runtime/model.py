@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from toolchain.artifact.chain import is_optional
 from toolchain.errors import ArtifactError
-from toolchain.ir.graphset import OPTIONAL_INPUT_PREFIXES
 from toolchain.runtime.cache import KVCache
 from toolchain.runtime.sessions import ArtifactSessions, BoundFamily
+from toolchain.runtime.tokenizer import Tokenizer
 
 # roles whose first stage is a full step graph (an lm_head or part stage never starts a family)
 STEP_ROLES = ("decode", "prefill", "tree", "custom", "diffusion")
@@ -31,15 +32,15 @@ class StepModel:
         self.folder = Path(folder)
         self.sessions = ArtifactSessions(folder, provider, threads, provider_options)
         self.manifest = self.sessions.manifest
-        self.name: str = self.manifest["name"]
+        self.name: str = self.manifest.name
         self.widths: dict[str, int] = {}
         for fam in self.sessions.families():
-            rec = self.sessions.chain(fam)[0].record
-            if rec["role"] in STEP_ROLES:
-                self.widths[fam] = rec["width"]
+            first = self.sessions.chain(fam)[0]
+            if first.role in STEP_ROLES:
+                self.widths[fam] = first.width
         if not self.widths:
             raise ArtifactError(f"{self.folder}: no decode/prefill/tree step graph in the manifest")
-        contexts = {self.sessions.chain(f)[0].record["context"] for f in self.widths}
+        contexts = {self.sessions.chain(f)[0].context for f in self.widths}
         if len(contexts) != 1:
             raise ArtifactError(
                 f"{self.folder}: graphs have different context lengths {sorted(contexts)}; the runtime "
@@ -52,22 +53,20 @@ class StepModel:
         self._bound: dict[str, BoundFamily] = {}
         self._last: tuple[str, dict[str, np.ndarray]] | None = None
         self._extra: dict[str, dict[str, np.ndarray]] = {}
-        self.eos_ids: list[int] = list(self.manifest["model"].get("eos_token_ids") or [])
-        self.vocab: int = self.manifest["model"]["vocab"]
+        self.eos_ids: list[int] = list(self.manifest.model.eos_token_ids)
+        self.vocab: int = self.manifest.model.vocab
         self.calls: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()
         self._tokenizer: Any = None
 
     # ---- bookkeeping --------------------------------------------------------------------------
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
             tok_dir = self.folder / "tokenizer"
             if not tok_dir.is_dir():
                 raise ArtifactError(f"{self.folder} has no tokenizer/ folder; recompile it with mobc compile")
-            self._tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+            self._tokenizer = Tokenizer(tok_dir)
         return self._tokenizer
 
     def reset(self, stats: bool = True) -> None:
@@ -103,9 +102,9 @@ class StepModel:
         if family not in self._extra:
             arrays: dict[str, np.ndarray] = {}
             for stage in self.sessions.chain(family):
-                for spec in stage.record["inputs"]:
-                    if spec["name"].startswith(OPTIONAL_INPUT_PREFIXES) and spec["name"] not in arrays:
-                        arrays[spec["name"]] = np.zeros(spec["shape"], np.float32)
+                for name in stage.input_names:
+                    if is_optional(name) and name not in arrays:
+                        arrays[name] = np.zeros(stage.input_shape(name)[0], np.float32)
             self._extra[family] = arrays
         return self._extra[family]
 

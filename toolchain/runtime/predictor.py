@@ -58,11 +58,11 @@ class HeadReader:
     def __init__(self, model: StepModel):
         import onnx_ir as ir
 
-        head = [s for s in model.sessions.chain(model.decode_family) if s.record["role"] == "lm_head"]
+        head = [s for s in model.sessions.chain(model.decode_family) if s.role == "lm_head"]
         if not head:
             raise MobcError(f"{model.name}: predictor pruning needs split_lm_head in the recipe's passes")
-        g = ir.load(str(model.folder / head[0].record["file"])).graph
-        c, v = model.manifest["model"]["hidden"], model.vocab
+        g = ir.load(str(model.folder / head[0].file)).graph
+        c, v = model.manifest.model.hidden, model.vocab
         self.norm = np.ones(c, np.float32)
         self.eps = 1e-5
         self.emb = None
@@ -139,7 +139,7 @@ class PrunedVerifier(TreeVerifier):
         self.cut: dict[str, int] = {}
         for fam in self.widths.values():
             chain = model.sessions.chain(fam)
-            at = [s.stage for s in chain if (s.record.get("meta") or {}).get("layers", [None])[0] == spec.layer]
+            at = [s.stage for s in chain if s.meta.get("layers", [None])[0] == spec.layer]
             if at:
                 self.cut[fam] = at[0]
         if not self.cut:
@@ -179,9 +179,9 @@ class PrunedVerifier(TreeVerifier):
             self.stats["pruned_calls"] += 1
             self.stats["tail_rows_saved"] += width - w2
         chain2 = m.sessions.chain(fam2)
-        tail = [s for s in chain2 if s.stage >= cut2 and s.record["role"] != "lm_head"]
+        tail = [s for s in chain2 if s.stage >= cut2 and s.role != "lm_head"]
         outs1 = run_stages(m, tail, feeds2, key=f"tail:{fam2}:{cut2}")
-        head = [s for s in chain2 if s.record["role"] == "lm_head"]
+        head = [s for s in chain2 if s.role == "lm_head"]
         if self.modes.get(width, self.logits) == "full" and head:  # one lm_head call over every kept row
             outs1.update(run_stages(m, head, {"hidden": outs1["hidden"]}, key=f"stage:{head[0].name}"))
         row, done = self._row_fn(outs1)

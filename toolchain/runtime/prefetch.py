@@ -147,7 +147,7 @@ class PartStreamer:
         self.stats = StreamStats()
 
     def _build(self, name: str) -> ort.InferenceSession:
-        path = self.sessions.folder / self.sessions.stages[name].record["file"]
+        path = self.sessions.folder / self.sessions.stages[name].file
         return ort.InferenceSession(str(path), session_options(self.threads), providers=["CPUExecutionProvider"])
 
     def _get(self, name: str) -> ort.InferenceSession:

@@ -8,28 +8,15 @@ inputs into the same arrays and reads the outputs from the same arrays.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from toolchain.artifact.manifest import ROPE, load_manifest
-from toolchain.compile.capture import StepLayout
-from toolchain.ir.graphset import run_chain
-
-
-class _Stage:
-    """Just enough of a GraphEntry for run_chain: name, stage order and I/O names."""
-
-    def __init__(self, record: dict[str, Any]):
-        self.name = record["name"]
-        self.stage = record["stage"]
-        self.family = record["family"]
-        self.record = record
-        self.input_names = [i["name"] for i in record["inputs"]]
-        self.output_names = [o["name"] for o in record["outputs"]]
+from toolchain.artifact.chain import families, order, run_chain
+from toolchain.artifact.layout import StepLayout
+from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -46,34 +33,28 @@ class ArtifactSessions:
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
                  provider_options: dict[str, str] | None = None):
         self.folder = Path(folder)
-        self.manifest = load_manifest(self.folder)
+        self.manifest = Manifest.load(self.folder)
         self.provider = provider
         self.threads = threads
         self.provider_options = provider_options or {}
-        self.stages = {g["name"]: _Stage(g) for g in self.manifest["graphs"]}
+        self.stages: dict[str, GraphRecord] = {g.name: g for g in self.manifest.graphs}
         self._sessions: dict[str, ort.InferenceSession] = {}
         with np.load(self.folder / ROPE) as z:
             self.rope = {k: z[k] for k in z.files}
 
     def layout(self, family: str) -> StepLayout:
-        m = self.manifest["model"]
-        first = self.chain(family)[0].record
-        return StepLayout(
-            width=first["width"], context=first["context"], n_layers=m["n_layers"], n_heads=m["n_heads"],
-            n_kv=m["n_kv"], head_dim=m["head_dim"], hidden=m["hidden"], vocab=m["vocab"],
-            layer_kinds=tuple(m["layer_kinds"]), rope_per_kind=m["rope_per_kind"],
-            sliding_window=m.get("sliding_window"),
-        )
+        first = self.chain(family)[0]
+        return self.manifest.model.layout(first.width, first.context)
 
     def families(self) -> list[str]:
-        return list(dict.fromkeys(s.family for s in self.stages.values()))
+        return families(list(self.stages.values()))
 
-    def chain(self, family: str) -> list[_Stage]:
-        return sorted((s for s in self.stages.values() if s.family == family), key=lambda s: s.stage)
+    def chain(self, family: str) -> list[GraphRecord]:
+        return order(list(self.stages.values()), family)
 
     def session(self, name: str) -> ort.InferenceSession:
         if name not in self._sessions:
-            path = str(self.folder / self.stages[name].record["file"])
+            path = str(self.folder / self.stages[name].file)
             if self.provider == "qnn":
                 from toolchain.qnn import context as qnn  # optional plugin EP
 
@@ -96,8 +77,8 @@ class ArtifactSessions:
         return BoundFamily(self, family, inputs)
 
 
-_DTYPES = {"float": np.float32, "float32": np.float32, "float16": np.float16, "int32": np.int32,
-           "int64": np.int64, "int8": np.int8, "uint8": np.uint8, "uint16": np.uint16, "int16": np.int16}
+NUMPY_DTYPES = {"float": np.float32, "float32": np.float32, "float16": np.float16, "int32": np.int32,
+                "int64": np.int64, "int8": np.int8, "uint8": np.uint8, "uint16": np.uint16, "int16": np.int16}
 
 
 class BoundFamily:
@@ -105,8 +86,8 @@ class BoundFamily:
 
     `inputs` are the family's external inputs (e.g. KVCache.buffers(width)); outputs of every
     stage are preallocated from the manifest's shapes, and a later stage's input of the same
-    name is bound to that array (the chain convention of toolchain/ir/graphset.py). The arrays
-    must never be replaced, only written in place.
+    name is bound to that array (the chain convention of toolchain/artifact/chain.py). The
+    arrays must never be replaced, only written in place.
     """
 
     def __init__(self, sessions: ArtifactSessions, family: str, inputs: dict[str, np.ndarray]):
@@ -125,10 +106,10 @@ class BoundFamily:
                     raise ValueError(f"input {name!r} of {stage.name} must be a contiguous array")
                 binding.bind_cpu_input(name, arr)
                 consumed.add(name)
-            for out in stage.record["outputs"]:
-                arr = np.zeros(out["shape"], _DTYPES.get(out["dtype"], np.float32))
-                self.outputs[out["name"]] = arr
-                binding.bind_ortvalue_output(out["name"], ort.OrtValue.ortvalue_from_numpy(arr))
+            for out in stage.outputs:
+                arr = np.zeros([int(d) for d in out.shape], NUMPY_DTYPES.get(out.dtype, np.float32))
+                self.outputs[out.name] = arr
+                binding.bind_ortvalue_output(out.name, ort.OrtValue.ortvalue_from_numpy(arr))
             self._runs.append((sess, binding))
         # like run_chain: the family's outputs are those no later stage consumed
         self.outputs = {k: v for k, v in self.outputs.items() if k not in consumed}
@@ -137,7 +118,3 @@ class BoundFamily:
         for sess, binding in self._runs:
             sess.run_with_iobinding(binding)
         return self.outputs
-
-
-def load_config(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "config.json").read_text())

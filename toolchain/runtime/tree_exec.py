@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from toolchain.compile.capture import MASK_MIN
+from toolchain.artifact.layout import MASK_MIN
 from toolchain.errors import ArtifactError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.tree import Acceptance, Tree, accept
@@ -34,7 +34,7 @@ from toolchain.runtime.tree import Acceptance, Tree, accept
 
 def tree_widths(model: StepModel) -> dict[int, str]:
     """Compiled verify widths -> family: tree-role graphs, else every step graph wider than 1."""
-    roles = {f: model.sessions.chain(f)[0].record["role"] for f in model.widths}
+    roles = {f: model.sessions.chain(f)[0].role for f in model.widths}
     fams = [f for f in model.widths if roles[f] == "tree"] or [f for f in model.widths if model.widths[f] > 1]
     fams.append(model.decode_family)  # width 1: a tree of the root alone is an AR step
     out: dict[int, str] = {}
@@ -151,7 +151,7 @@ class TreeVerifier:
         self.widths = tree_widths(model)
         self.logits = logits
         self.modes: dict[int, str] = {}  # per-width override of `logits` (policies decide by cost)
-        head = [s for s in model.sessions.chain(model.decode_family) if s.record["role"] == "lm_head"]
+        head = [s for s in model.sessions.chain(model.decode_family) if s.role == "lm_head"]
         self.row_head = head[0] if head else None
         if logits == "path" and self.row_head is None:
             raise ArtifactError(
@@ -167,8 +167,8 @@ class TreeVerifier:
 
     def body_and_head(self, family: str) -> tuple[list, object | None]:
         chain = self.model.sessions.chain(family)
-        head = [s for s in chain if s.record["role"] == "lm_head"]
-        return [s for s in chain if s.record["role"] != "lm_head"], (head[0] if head else None)
+        head = [s for s in chain if s.role == "lm_head"]
+        return [s for s in chain if s.role != "lm_head"], (head[0] if head else None)
 
     def _row_fn(self, outs: dict[str, np.ndarray]) -> tuple[Callable[[int], np.ndarray], dict[int, np.ndarray]]:
         """row(i) over a call's outputs: logits as the call returned them, or the lm_head on one row."""

@@ -36,13 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.diffusion.form import DiffusionForm, write_form
+from toolchain.diffusion.reference import block_mask, sample_generations
 from toolchain.errors import MobcError
 from toolchain.train.loop import timed_adamw_loop
 
 # An existing special token that never occurs in source code: reused as [MASK] so the
 # vocabulary (and every graph's logits shape) stays the base model's.
 DEFAULT_MASK_TOKEN = "<empty_output>"
-MASK_NEG = -1.0e4
 
 
 class DiffusionTrainError(MobcError):
@@ -61,14 +61,6 @@ class DiffusionTrainConfig:
     corpus_tokens: int = 600_000
     eval_tokens: int = 8192
     mask_token: str = DEFAULT_MASK_TOKEN
-
-
-def block_causal(starts: list[int], length: int) -> torch.Tensor:
-    """[L, L] bool: query i sees key j iff j's block starts at or before i's block start."""
-    bid = np.zeros(length, dtype=np.int64)
-    for k, s in enumerate(sorted(starts)):
-        bid[s:] = k
-    return torch.from_numpy(bid[None, :] <= bid[:, None])
 
 
 def sample_layout(rng: np.random.Generator, seq_len: int, block: int) -> tuple[list[int], int, int]:
@@ -96,7 +88,7 @@ def make_batch(tokens: np.ndarray, rng: np.random.Generator, cfg: DiffusionTrain
         if not m.any():
             m[int(rng.integers(0, hi - lo))] = True
         masked[b, lo:hi] = m
-        attn[b, 0] = torch.where(block_causal(starts, L), 0.0, MASK_NEG)
+        attn[b, 0] = block_mask(starts, L)[0, 0]
     return torch.from_numpy(ids), torch.from_numpy(masked), attn
 
 
@@ -205,7 +197,6 @@ def train_diffusion(recipe_path: Path, out_dir: Path, cfg: DiffusionTrainConfig,
     """Load the recipe's AR model (or continue `init`), adapt it, save it with its marker and a report."""
     from toolchain.compile.recipe import load_recipe
     from toolchain.compile.source import load
-    from toolchain.diffusion.reference import sample_generations
     from toolchain.train.draft import corpus
 
     t_start = time.perf_counter()

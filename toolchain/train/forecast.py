@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolchain.compile.capture import ATTENTION_NAME, MASK_MIN, StepGraph, layout_for, rope_tables
+from toolchain.artifact.layout import MASK_MIN
+from toolchain.compile.capture import ATTENTION_NAME, StepGraph, layout_for, rope_tables
 
 
 @dataclass

@@ -31,7 +31,7 @@ def split_layer(model: StepModel) -> int:
     cuts = set()
     for fam in model.widths:
         for st in model.sessions.chain(fam):
-            layers = (st.record.get("meta") or {}).get("layers")
+            layers = st.meta.get("layers")
             if layers and layers[0] > 0:
                 cuts.add(layers[0])
     if not cuts:

@@ -85,10 +85,10 @@ def test_deterministic_recompile(compiled, tmp_path, monkeypatch):
     recipe, first = compiled
     monkeypatch.setenv("MOBC_NO_CACHE", "1")  # a fresh export, not the cached one
     second = compile_recipe(recipe, out=tmp_path / "again")
-    a = {g["name"]: g["sha256"] for g in first.manifest["graphs"]}
-    b = {g["name"]: g["sha256"] for g in second.manifest["graphs"]}
+    a = {g.name: g.sha256 for g in first.manifest.graphs}
+    b = {g.name: g.sha256 for g in second.manifest.graphs}
     assert a == b
-    assert first.manifest["weights"]["sha256"] == second.manifest["weights"]["sha256"]
+    assert first.manifest.weights["sha256"] == second.manifest.weights["sha256"]
 
 
 def test_cached_export_gives_identical_artifact(compiled, tmp_path, monkeypatch):
@@ -100,7 +100,7 @@ def test_cached_export_gives_identical_artifact(compiled, tmp_path, monkeypatch)
     monkeypatch.setattr(toolchain.compile.export, "export_step_graph", no_export)
     recipe, first = compiled
     again = compile_recipe(recipe, out=tmp_path / "cached")
-    assert [g["sha256"] for g in again.manifest["graphs"]] == [g["sha256"] for g in first.manifest["graphs"]]
+    assert [g.sha256 for g in again.manifest.graphs] == [g.sha256 for g in first.manifest.graphs]
 
 
 def test_existing_output_needs_force(compiled):
@@ -179,8 +179,8 @@ def test_recipe_qnn_section_builds_verified_binaries(tiny_dir, tmp_path):
               "qnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n",
     )
     result = compile_recipe(recipe)
-    records = result.manifest["qnn"]
-    assert {r["graph"] for r in records} == {g["name"] for g in result.manifest["graphs"]}
+    records = result.manifest.qnn
+    assert {r["graph"] for r in records} == {g.name for g in result.manifest.graphs}
     assert len(records) == 2  # both parts of the split decode graph
     for r in records:
         assert r["status"] == "verified" and r["verify"]["worst_max_abs"] <= 0.05

@@ -12,7 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
-from toolchain.artifact.manifest import FORMAT, load_manifest, write_graphs, write_manifest
+from toolchain.artifact.manifest import Manifest, ModelInfo
+from toolchain.compile.emit import write_graphs
 from toolchain.errors import ArtifactError, MobcError
 from toolchain.hub.client import HubError, HubJobFailedError, HubNotConfiguredError
 from toolchain.hub.fake import FakeQaiHub, RecordingHubClient
@@ -73,13 +74,15 @@ def make_artifact(folder: Path, quantized: bool = False) -> Path:
     gs.add(GraphEntry("prefill", _graph(4, quantized), "prefill", "prefill", 4, 32))
     folder.mkdir(parents=True)
     records, weights = write_graphs(folder, gs)
-    manifest = {"format": FORMAT, "name": "toy", "graphs": records, "weights": weights}
+    model = ModelInfo(family="toy", n_layers=1, n_heads=1, n_kv=1, head_dim=16, hidden=16, vocab=64,
+                      layer_kinds=["full"], rope_per_kind=False)
+    manifest = Manifest(name="toy", source={}, model=model, graphs=records, weights=weights, rope={})
     if quantized:
         for r in records:
-            r["encodings"] = f"{r['name']}.encodings.json"
-            (folder / r["encodings"]).write_text(json.dumps({"version": "0.6.1", "activation_encodings": {}}))
-        manifest["quantization"] = {"scheme": "w8a16"}
-    write_manifest(folder, manifest)
+            r.encodings = f"{r.name}.encodings.json"
+            (folder / r.encodings).write_text(json.dumps({"version": "0.6.1", "activation_encodings": {}}))
+        manifest.quantization = {"scheme": "w8a16"}
+    manifest.write(folder)
     return folder
 
 
@@ -88,8 +91,8 @@ def _snapshot(folder: Path) -> dict[str, float]:
 
 
 def test_options_and_specs_follow_the_manifest(tmp_path):
-    m = load_manifest(make_artifact(tmp_path / "a"))
-    decode = m["graphs"][0]
+    m = Manifest.load(make_artifact(tmp_path / "a"))
+    decode = m.graphs[0]
     assert input_specs(decode) == {
         "input_ids": ((1, 1), "int32"),
         "attention_mask": ((1, 1, 1, 32), "float32"),
@@ -126,10 +129,10 @@ def test_float_artifact_compiles_links_and_records(tmp_path):
     assert rec["linked"] and set(rec["models"]) == {"decode", "prefill"}
     assert rec["models"]["decode"]["file"] == f"hub/{SLUG}/toy_stage0.bin"
     # downloaded and recorded in the manifest, whose checksums now cover the binary
-    m = load_manifest(art)
-    assert m["hub"][SLUG]["compile"]["decode"]["options"] == c_decode["options"]
-    assert m["hub"][SLUG]["compile"]["decode"]["input_specs"]["input_ids"] == [[1, 1], "int32"]
-    assert f"hub/{SLUG}/toy_stage0.bin" in m["files"] and (art / "hub" / SLUG / "toy_stage0.bin").is_file()
+    m = Manifest.load(art)
+    assert m.hub[SLUG]["compile"]["decode"]["options"] == c_decode["options"]
+    assert m.hub[SLUG]["compile"]["decode"]["input_specs"]["input_ids"] == [[1, 1], "int32"]
+    assert f"hub/{SLUG}/toy_stage0.bin" in m.files and (art / "hub" / SLUG / "toy_stage0.bin").is_file()
     assert not [p for p in (art / "hub").iterdir() if p.name.startswith(".")]
 
 
@@ -228,7 +231,7 @@ def test_profile_then_calibrate(tmp_path):
     assert path.read_text().startswith("base: snapdragon-8-gen-3")
     recs = {r["graph"]: r for r in fitted.calibration["measurements"]}
     assert recs["decode"]["measured_ms"] == pytest.approx(0.3)
-    assert load_manifest(art)["hub"][SLUG]["calibration"]["file"] == f"hub/{SLUG}/device_profile.yaml"
+    assert Manifest.load(art).hub[SLUG]["calibration"]["file"] == f"hub/{SLUG}/device_profile.yaml"
 
 
 def test_calibrate_from_local_profiles(tmp_path):

@@ -3,15 +3,18 @@ model, and the rejections: rank above max_rank, a missing target module, another
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from tests.lora_tiny import peft_adapter
 from tests.tiny import save_tiny, tiny_tokenizer
-from toolchain.artifact.manifest import load_manifest
-from toolchain.lora.adapters import AdapterError, from_peft, pack
+from toolchain.artifact.manifest import Manifest
+from toolchain.lora.pack import from_peft, pack
 from toolchain.lora.verify import artifact_logits
+from toolchain.runtime.adapters import AdapterError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.ctg import bind_adapters
 
@@ -64,10 +67,10 @@ def test_other_base_model_is_rejected(lora_artifact, tmp_path):
 
 def test_artifact_without_lora_inputs_and_bad_folders(lora_artifact, tmp_path):
     artifact, src = lora_artifact
-    manifest = load_manifest(artifact)
+    manifest = Manifest.load(artifact)
     peft_adapter(src, tmp_path / "a")
     with pytest.raises(AdapterError, match="compiled without the lora_inputs pass"):
-        from_peft(tmp_path / "a", {**manifest, "recipe": {**manifest["recipe"], "passes": []}})
+        from_peft(tmp_path / "a", dataclasses.replace(manifest, passes=[]))
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         pack(artifact, tmp_path)
     peft_adapter(src, tmp_path / "dora", use_dora=True)

@@ -11,8 +11,8 @@ import pytest
 from passes import build
 from tests.lora_tiny import MAX_RANK, SLOTS, lora_feeds, random_adapter
 from tests.passes.tiny import feeds_for, tiny
-from toolchain.lora.adapters import Adapter
 from toolchain.qnn import context as qnn
+from toolchain.runtime.adapters import Adapter
 
 AVAILABLE, REASON = qnn.availability()
 
@@ -69,18 +69,18 @@ def test_recipe_binaries_keep_adapter_inputs_and_match_cpu_with_an_adapter(tmp_p
     recipe = write_recipe(tmp_path / "r.yaml", src, "tiny-lora-qnn", graphs, LORA_QNN_PASSES)
     art = compile_recipe(recipe).out_dir
     manifest = StepModel(art).manifest
-    assert {r["graph"] for r in manifest["qnn"]} == {g["name"] for g in manifest["graphs"]}
-    for g in manifest["graphs"]:
-        (rec,) = [r for r in manifest["qnn"] if r["graph"] == g["name"]]
+    assert {r["graph"] for r in manifest.qnn} == {g.name for g in manifest.graphs}
+    for g in manifest.graphs:
+        (rec,) = [r for r in manifest.qnn if r["graph"] == g.name]
         assert rec["status"] == "verified"
         ctx = onnx.load(art / "qnn" / rec["context_model"], load_external_data=False)
         assert [n.op_type for n in ctx.graph.node] == ["EPContext"]
-        assert {i.name for i in ctx.graph.input} == {i["name"] for i in g["inputs"]}
-        if g["role"] != "lm_head":
-            assert any(i.name.startswith("lora_B.") for i in ctx.graph.input), g["name"]
+        assert {i.name for i in ctx.graph.input} == set(g.input_names)
+        if g.role != "lm_head":
+            assert any(i.name.startswith("lora_B.") for i in ctx.graph.input), g.name
 
     rng = np.random.default_rng(1)
-    ins = {i["name"]: i["shape"] for g in manifest["graphs"] for i in g["inputs"]}
+    ins = {i.name: i.shape for g in manifest.graphs for i in g.inputs}
     weights = {}
     for name, shape in ins.items():
         if name.startswith("lora_A."):

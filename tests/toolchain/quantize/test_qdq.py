@@ -132,8 +132,8 @@ def test_quantized_artifact_runs_with_the_runtime_cache(artifact, tokenizer):
     sessions = ArtifactSessions(q)  # a complete artifact: manifest, rope, tokenizer
     out = greedy(sessions, tokenizer("def f(x):").input_ids, 6)
     assert len(out) == 6
-    assert all(g["inputs"] == f["inputs"] for g, f in zip(
-        sessions.manifest["graphs"], ArtifactSessions(artifact).manifest["graphs"], strict=True))
+    assert all(g.inputs == f.inputs for g, f in zip(
+        sessions.manifest.graphs, ArtifactSessions(artifact).manifest.graphs, strict=True))
 
 
 def test_conflicting_width_overrides_fail_with_the_fix_and_leave_no_quantized_folder(artifact, tokenizer):

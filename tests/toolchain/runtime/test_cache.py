@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from toolchain.compile.capture import MASK_MIN, StepLayout
+from toolchain.artifact.layout import MASK_MIN, StepLayout
 from toolchain.runtime.cache import CacheFullError, KVCache
 
 CL, D, HKV, LAYERS = 16, 4, 2, 2

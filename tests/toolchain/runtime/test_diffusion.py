@@ -70,10 +70,10 @@ def test_marker_round_trip_and_manifest(tiny_dlm):
     hf, out = tiny_dlm
     assert read_form(hf).mask_token_id == MASK_ID
     sm = StepModel(out)
-    assert sm.manifest["model"]["diffusion"]["mask_token_id"] == MASK_ID
-    fam = sm.manifest["verification"]["families"]["diffusion"]
+    assert sm.manifest.model.diffusion["mask_token_id"] == MASK_ID
+    fam = sm.manifest.verification["families"]["diffusion"]
     assert fam["worst_max_abs"] < 1e-3  # the block graph (bidirectional, mask tokens) matches torch
-    dec = sm.manifest["verification"]["diffusion_decode"]  # compile-time decode check vs torch
+    dec = sm.manifest.verification["diffusion_decode"]  # compile-time decode check vs torch
     assert dec["identical"] and len(dec["ours"]) == 2 * W
 
 

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from toolchain.compile.capture import MASK_MIN
+from toolchain.artifact.layout import MASK_MIN
 from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, select
 from toolchain.runtime.policies.sampling import Sampler
 from toolchain.runtime.tree import Tree, accept_greedy, accept_sampled
@@ -125,7 +125,7 @@ def test_adaptive_stop_rule():
 
 
 def test_ancestor_mask_and_positions_against_reference():
-    from toolchain.compile.capture import StepLayout
+    from toolchain.artifact.layout import StepLayout
     from toolchain.runtime.cache import KVCache
 
     t = Tree.root(5)

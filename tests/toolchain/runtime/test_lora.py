@@ -8,7 +8,7 @@ import pytest
 
 from tests.lora_tiny import M
 from tests.tiny import tiny_tokenizer
-from toolchain.lora.adapters import Adapter
+from toolchain.runtime.adapters import Adapter
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
 from toolchain.runtime.policies.ctg import bind_adapters, sequential_styles
@@ -23,7 +23,7 @@ def artifact(lora_artifact):
 def _adapter(model: StepModel, seed: int, rank: int = 4) -> Adapter:
     """A random adapter in graph layout, shaped from the artifact's inputs."""
     rng = np.random.default_rng(seed)
-    ins = {i["name"]: i["shape"] for i in model.manifest["graphs"][0]["inputs"]}
+    ins = {i.name: i.shape for i in model.manifest.graphs[0].inputs}
     weights = {}
     for name, shape in ins.items():
         if name.startswith("lora_A."):
@@ -111,7 +111,7 @@ class _Oracle(DS2D):
 def test_ds2d_equals_greedy_ar(artifact):
     model = StepModel(artifact)
     rng = np.random.default_rng(0)
-    forecast = rng.standard_normal((M, model.manifest["model"]["hidden"])).astype(np.float32)
+    forecast = rng.standard_normal((M, model.manifest.model.hidden)).astype(np.float32)
     for prompt_text in ("def main(argv):\n    return", "import os\nclass Path", "x = [i for i in"):
         prompt = tiny_tokenizer()(prompt_text).input_ids
         ar = [t for c in make_policy("ar", model).generate(prompt, 16, Sampler()) for t in c]

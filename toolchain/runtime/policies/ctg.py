@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from toolchain.errors import MobcError
-from toolchain.lora.adapters import Adapter, LoraSpec, write_rows, write_slots
+from toolchain.runtime.adapters import Adapter, LoraSpec, write_rows, write_slots
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy
 from toolchain.runtime.policies.sampling import Sampler

@@ -82,11 +82,11 @@ class DiffusionStats:
 
 def diffusion_setup(model: StepModel) -> tuple[str, int, int]:
     """(family, width, mask token id) of an artifact's diffusion-block graph."""
-    form = model.manifest["model"].get("diffusion")
+    form = model.manifest.model.diffusion
     if not form:
         raise MobcError(f"{model.name} is not a diffusion LM (no diffusion form in its manifest); compile a "
                         "checkpoint made by `mobc train diffusion` (it carries diffusion.json)")
-    fams = [f for f in model.widths if model.sessions.chain(f)[0].record["role"] == "diffusion"]
+    fams = [f for f in model.widths if model.sessions.chain(f)[0].role == "diffusion"]
     fam = max(fams, key=lambda f: model.widths[f]) if fams else max(model.widths, key=model.widths.get)
     return fam, model.widths[fam], int(form["mask_token_id"])
 

@@ -78,7 +78,7 @@ class Lever(Policy):
         self.lever = LeverStats()
 
     def _can_split(self) -> bool:
-        return any(s.record["role"] == "lm_head" for s in self.target.sessions.chain(self.target.decode_family))
+        return any(s.role == "lm_head" for s in self.target.sessions.chain(self.target.decode_family))
 
     def _verify_costs(self) -> StepCost:
         """V(W) per compiled width; with path-only logits, the body plus the expected head rows."""

@@ -1,107 +1,24 @@
-"""LoRA adapters for artifacts compiled with the `lora_inputs` pass: pack PEFT folders, bind per row.
+"""`mobc adapter pack`: a PEFT LoRA folder -> the artifact's adapter input tensors.
 
 `pack` reads a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), checks it
 against the artifact (rank within the compiled max_rank, every adapted module has a LoRA input,
 same base model), folds PEFT's scaling (alpha/r, or alpha/sqrt(r) for rsLoRA) into B and writes
-<artifact>/adapters/<name>.npz. Switching adapters is then a matter of binding other arrays.
-
-Binding (`write_slots` / `write_rows`) fills a graph's lora_* inputs in place: adapter s of a
-call occupies rank columns [s*max_rank, s*max_rank + r) of every A and B input; lora_rows says
-which block each row (token) of the call uses. After mha_to_sha, per-head B inputs get their
-head's column slice of B here, at bind time, so the graph never slices.
+<artifact>/adapters/<name>.npz, which the runtime binds (toolchain/runtime/adapters.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from toolchain.errors import MobcError
+from toolchain.artifact.manifest import Manifest
+from toolchain.runtime.adapters import ADAPTERS_DIR, B_INPUT, Adapter, AdapterError, LoraSpec
 
-ADAPTERS_DIR = "adapters"
 _PEFT_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
-_B_INPUT = re.compile(r"^lora_B\.(.+?)(?:\.head(\d+))?$")
-
-
-class AdapterError(MobcError):
-    """An adapter that does not fit the artifact (rank, target modules, base model, format)."""
-
-
-@dataclass
-class LoraSpec:
-    """What an artifact was compiled for: the lora_inputs options from its recipe."""
-
-    targets: list[str]
-    max_rank: int
-    slots: int
-
-    @classmethod
-    def from_manifest(cls, manifest: dict[str, Any]) -> LoraSpec:
-        for spec in manifest.get("recipe", {}).get("passes", []):
-            if isinstance(spec, dict) and "lora_inputs" in spec:
-                from passes.lora_inputs import LoraInputs
-
-                cfg = LoraInputs.Config(**(spec["lora_inputs"] or {}))
-                return cls(list(cfg.targets), cfg.max_rank, cfg.slots)
-            if spec == "lora_inputs":
-                from passes.lora_inputs import LoraInputs
-
-                cfg = LoraInputs.Config()
-                return cls(list(cfg.targets), cfg.max_rank, cfg.slots)
-        raise AdapterError(
-            f"artifact {manifest.get('name')!r} was compiled without the lora_inputs pass, so it has no "
-            "adapter inputs; add `- lora_inputs: {targets: [q_proj, v_proj], max_rank: 16}` to the "
-            "recipe's passes and recompile"
-        )
-
-
-@dataclass
-class Adapter:
-    """One adapter in graph layout: per projection path, A [in, r] and B [r, out] (scaling folded)."""
-
-    name: str
-    rank: int
-    weights: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def save(self, path: Path) -> None:
-        arrays = {}
-        for proj, (a, b) in self.weights.items():
-            arrays[f"A/{proj}"], arrays[f"B/{proj}"] = a, b
-        arrays["__meta__"] = np.array(json.dumps({"name": self.name, "rank": self.rank, **self.meta}))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        tmp.rename(path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Adapter:
-        path = Path(path)
-        if not path.is_file():
-            raise AdapterError(f"packed adapter {path} does not exist; make it with `mobc adapter pack ARTIFACT PEFT_DIR`")
-        with np.load(path) as z:
-            meta = json.loads(str(z["__meta__"]))
-            weights = {k[2:]: (z[k], z["B/" + k[2:]]) for k in z.files if k.startswith("A/")}
-        return cls(meta.pop("name"), int(meta.pop("rank")), weights, meta)
-
-
-def resolve_adapter(artifact: Path, ref: str | Path) -> Adapter:
-    """An adapter by packed file path or by name under <artifact>/adapters/."""
-    p = Path(ref)
-    if p.suffix == ".npz" or p.is_file():
-        return Adapter.load(p)
-    cand = artifact / ADAPTERS_DIR / f"{ref}.npz"
-    if cand.is_file():
-        return Adapter.load(cand)
-    known = sorted(q.stem for q in (artifact / ADAPTERS_DIR).glob("*.npz"))
-    raise AdapterError(f"no adapter {ref!r} in {artifact / ADAPTERS_DIR} (packed: {', '.join(known) or 'none'}); "
-                       f"run `mobc adapter pack {artifact} PEFT_DIR` first")
 
 
 # ---- reading PEFT folders ---------------------------------------------------------------------
@@ -156,29 +73,29 @@ def _check_config(cfg: dict[str, Any], folder: Path) -> None:
                            "frozen graph cannot take as inputs; train without modules_to_save")
 
 
-def _check_base(cfg: dict[str, Any], manifest: dict[str, Any], folder: Path) -> None:
+def _check_base(cfg: dict[str, Any], manifest: Manifest, folder: Path) -> None:
     """Rejects an adapter trained on another base model, when its base can be identified locally."""
     base = cfg.get("base_model_name_or_path")
-    src = manifest.get("source", {})
+    src = manifest.source
     fp = src.get("fingerprint", "")
     if not base:
         return
     bpath = Path(base)
     if not bpath.is_dir():
         return  # a hub id we cannot resolve offline: the shape checks below still apply
-    from toolchain.compile.source import _fingerprint
+    from toolchain.compile.source import fingerprint_files
 
     if fp and bpath.name == fp[:24]:
         return  # mobc's float cache of the artifact's own GGUF source
     files = [p for p in bpath.iterdir() if p.suffix in {".safetensors", ".bin", ".json", ".model"}]
-    if fp and files and _fingerprint([p.resolve() for p in files]) == fp:
+    if fp and files and fingerprint_files([p.resolve() for p in files]) == fp:
         return
-    model = manifest.get("model", {})
+    model = manifest.model
     detail = ""
     if (bpath / "config.json").is_file():
         bc = json.loads((bpath / "config.json").read_text())
         bc = bc.get("text_config", bc)
-        ours = (model.get("family"), model.get("n_layers"), model.get("hidden"), model.get("vocab"))
+        ours = (model.family, model.n_layers, model.hidden, model.vocab)
         theirs = (bc.get("model_type"), bc.get("num_hidden_layers"), bc.get("hidden_size"), bc.get("vocab_size"))
         detail = f" (adapter base: {theirs[0]}, {theirs[1]} layers, hidden {theirs[2]}; artifact: " \
                  f"{ours[0]}, {ours[1]} layers, hidden {ours[2]})"
@@ -188,7 +105,7 @@ def _check_base(cfg: dict[str, Any], manifest: dict[str, Any], folder: Path) -> 
     )
 
 
-def from_peft(folder: str | Path, manifest: dict[str, Any], name: str | None = None) -> Adapter:
+def from_peft(folder: str | Path, manifest: Manifest, name: str | None = None) -> Adapter:
     """Reads and validates a PEFT LoRA folder against an artifact manifest."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -197,7 +114,7 @@ def from_peft(folder: str | Path, manifest: dict[str, Any], name: str | None = N
     cfg, tensors = _read_peft(folder)
     _check_config(cfg, folder)
     _check_base(cfg, manifest, folder)
-    model = manifest["model"]
+    model = manifest.model
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for key, t in tensors.items():
         m = _PEFT_KEY.search(key)
@@ -211,9 +128,9 @@ def from_peft(folder: str | Path, manifest: dict[str, Any], name: str | None = N
                 f"{', '.join(spec.targets)}; recompile with lora_inputs targets including {target}, or use an "
                 "adapter trained on those modules"
             )
-        if layer >= model["n_layers"]:
+        if layer >= model.n_layers:
             raise AdapterError(f"{folder}: base-model mismatch: the adapter has layer {layer} but the artifact's "
-                               f"model has {model['n_layers']} layers")
+                               f"model has {model.n_layers} layers")
         pairs.setdefault(f"layers.{layer}.{block}.{target}", {})[which] = t.astype(np.float32)
     if not pairs:
         raise AdapterError(f"{folder}: no LoRA A/B tensors found in the adapter file")
@@ -240,19 +157,19 @@ def from_peft(folder: str | Path, manifest: dict[str, Any], name: str | None = N
                     "targets": sorted({p.rsplit(".", 1)[1] for p in weights})})
 
 
-def _check_shapes(weights: dict[str, tuple[np.ndarray, np.ndarray]], manifest: dict[str, Any], folder: Path) -> None:
+def _check_shapes(weights: dict[str, tuple[np.ndarray, np.ndarray]], manifest: Manifest, folder: Path) -> None:
     ins = {}
-    for g in manifest["graphs"]:
-        for i in g["inputs"]:
-            if i["name"].startswith("lora_A."):
-                ins[i["name"][7:]] = i["shape"][0]
+    for g in manifest.graphs:
+        for i in g.inputs:
+            if i.name.startswith("lora_A."):
+                ins[i.name[7:]] = i.shape[0]
     outs: dict[str, int] = {}
-    for g in manifest["graphs"]:
-        for i in g["inputs"]:
-            m = _B_INPUT.match(i["name"])
+    for g in manifest.graphs:
+        for i in g.inputs:
+            m = B_INPUT.match(i.name)
             if m:
                 heads = outs.setdefault(m.group(1), 0)
-                outs[m.group(1)] = heads + i["shape"][1] if m.group(2) is not None else i["shape"][1]
+                outs[m.group(1)] = heads + i.shape[1] if m.group(2) is not None else i.shape[1]
         break  # one graph says it all; others have the same per-projection shapes
     for proj, (a, b) in weights.items():
         if proj in ins and (a.shape[0] != ins[proj] or (proj in outs and b.shape[1] != outs[proj])):
@@ -263,51 +180,12 @@ def _check_shapes(weights: dict[str, tuple[np.ndarray, np.ndarray]], manifest: d
 
 
 def pack(artifact: str | Path, peft_dir: str | Path, name: str | None = None) -> tuple[Path, Adapter]:
-    from toolchain.artifact.manifest import load_manifest
 
     artifact = Path(artifact)
-    manifest = load_manifest(artifact)
+    manifest = Manifest.load(artifact)
     adapter = from_peft(peft_dir, manifest, name)
     out = artifact / ADAPTERS_DIR / f"{adapter.name}.npz"
     adapter.save(out)
     return out, adapter
 
 
-# ---- binding ----------------------------------------------------------------------------------
-def write_slots(arrays: dict[str, np.ndarray], adapters: list[Adapter | None], max_rank: int) -> None:
-    """Writes adapter s into rank block s of every lora_A / lora_B array (in place); the rest is zero."""
-    for name, arr in arrays.items():
-        if not name.startswith(("lora_A.", "lora_B.")):
-            continue
-        arr[...] = 0.0
-        if name.startswith("lora_A."):
-            proj, head = name[7:], None
-        else:
-            m = _B_INPUT.match(name)
-            assert m is not None
-            proj, head = m.group(1), m.group(2)
-        for s, ad in enumerate(adapters):
-            if ad is None or proj not in ad.weights:
-                continue
-            a, b = ad.weights[proj]
-            r, lo = a.shape[1], s * max_rank
-            if name.startswith("lora_A."):
-                arr[:, lo : lo + r] = a
-            else:
-                width = arr.shape[1]
-                h = int(head) if head is not None else 0
-                arr[lo : lo + r, :] = b[:, h * width : (h + 1) * width]
-
-
-def write_rows(arrays: dict[str, np.ndarray], row_slots: list[int | None] | int | None, max_rank: int) -> None:
-    """lora_rows: row n uses adapter slot row_slots[n] (None: no adapter). An int applies to every row."""
-    rows = arrays.get("lora_rows")
-    if rows is None:
-        return
-    n = rows.shape[1]
-    if row_slots is None or isinstance(row_slots, int):
-        row_slots = [row_slots] * n
-    rows[...] = 0.0
-    for i, s in enumerate(row_slots[:n]):
-        if s is not None:
-            rows[0, i, s * max_rank : (s + 1) * max_rank] = 1.0

@@ -1,0 +1,3 @@
+from toolchain.cli.main import main
+
+main()

@@ -1,0 +1,292 @@
+"""`mobc bench decode|lever|diffusion|ctg|ds2d`: each policy family against its baseline, as tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from toolchain.cli.common import EP_OPTION, PROVIDER, THREADS, console, err, fmt, load_models, log, print_rows
+from toolchain.errors import MobcError
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables (and write JSON).")
+
+
+@app.command("decode")
+def bench_decode(
+    artifact: Path = typer.Argument(..., help="target artifact folder"),
+    draft: Path | None = typer.Option(None, "--draft", help="draft artifact folder"),
+    policies: str = typer.Option("ar,chain", "--policies", help="comma-separated policies"),
+    prompts: str = typer.Option("humaneval:20", "--prompts", help="humaneval:N or file:PATH"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    gamma: int = typer.Option(4, "--gamma"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    device: str = typer.Option("snapdragon-8-gen-3", "--device", help="device profile name or YAML"),
+    target_dram: float = typer.Option(0.0, "--target-dram",
+                                      help="target DRAM budget: fraction of its weights (0 = all on flash) or bytes"),
+    draft_dram: float = typer.Option(1.0, "--draft-dram", help="draft DRAM budget (1 = fully resident)"),
+    llamacpp: bool = typer.Option(True, "--llamacpp/--no-llamacpp", help="add a llama.cpp AR row if installed"),
+    json_out: Path | None = typer.Option(None, "--json", help="write all numbers and tokens here"),
+    provider: str = PROVIDER,
+    threads: int | None = THREADS,
+    ep_option: list[str] = EP_OPTION,
+) -> None:
+    """Run policies on the same prompts; print CPU speed, acceptance and predicted phone latency."""
+    from toolchain.bench import llamacpp as lcpp
+    from toolchain.bench.decode import bench_decode as run_bench
+    from toolchain.bench.prompts import load_prompts
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if any(n != "ar" for n in names) and draft is None:
+        raise MobcError(f"--policies {policies}: speculative policies need --draft <artifact folder>")
+    texts = load_prompts(prompts)
+    target, drafter = load_models(artifact, draft, provider, threads, ep_option)
+    res = run_bench(target, drafter, names, texts, max_new_tokens, gamma, temperature, device,
+                    target_dram, draft_dram, log=log)
+    ar_row = next(r for r in res["rows"] if r["policy"] == "ar")
+    gguf = lcpp.source_gguf(target.manifest)
+    if llamacpp and lcpp.available() and gguf is not None:
+        n_new = [d["tokens"] for d in res["details"]["ar"]]
+        used = [texts[d["prompt"]] for d in res["details"]["ar"]]
+        lc = lcpp.bench(gguf, used, n_new, threads, target.context)
+        lc["mobc_ar_over_llamacpp"] = ar_row["tokens_per_s_cpu"] / lc["tokens_per_s_cpu"]
+        res["llamacpp"] = lc
+    elif llamacpp:
+        res["llamacpp"] = None
+        why = "llama-cpp-python is not installed (pip install 'mobc\\[llamacpp]')" if not lcpp.available() \
+            else "the target was not compiled from a GGUF"
+        err.print(f"[yellow]no llama.cpp row:[/] {why}")
+
+    title = (f"decode {res['target']} (draft {res['draft']}, γ={gamma}, T={temperature}) on "
+             f"{res['prompts']} prompts; phone = {device}, target DRAM {target_dram:g}, draft DRAM {draft_dram:g}")
+    table = Table(title=title)
+    for col in ("policy", "tokens", "tok/s CPU", "accepted/verify", "tokens/target call", "target calls/token",
+                "phone ms/token", "speedup CPU", "speedup phone", "== ar"):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    for r in res["rows"]:
+        table.add_row(r["policy"], str(r["tokens"]), fmt(r["tokens_per_s_cpu"], ".1f"),
+                      fmt(r["accepted_per_verify"], ".2f"), fmt(r["tokens_per_target_call"], ".2f"),
+                      fmt(r["target_calls_per_token"], ".3f"), fmt(r["phone_ms_per_token"], ".2f"),
+                      fmt(r["speedup_cpu"], ".2f") + "x", fmt(r["speedup_phone"], ".2f") + "x",
+                      f"{r['identical_to_ar']}/{res['prompts']}")
+    lc = res.get("llamacpp")
+    if lc:
+        table.add_row("llama.cpp ar", str(lc["tokens"]), f"{lc['tokens_per_s_cpu']:.1f}", "—", "—", "—", "—",
+                      f"{lc['tokens_per_s_cpu'] / ar_row['tokens_per_s_cpu']:.2f}x", "—", "—")
+    console.print(table)
+    if lc:
+        console.print(f"mobc ar / llama.cpp ar (CPU decode tok/s): {lc['mobc_ar_over_llamacpp']:.2f}")
+    if temperature == 0:
+        bad = [r["policy"] for r in res["rows"] if r["identical_to_ar"] != res["prompts"]]
+        console.print("[green]greedy: every policy reproduces ar token for token on every prompt[/]" if not bad
+                      else f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))
+        console.print(f"wrote {json_out}")
+
+
+@app.command("lever")
+def bench_lever(
+    artifact: Path = typer.Argument(..., help="target artifact (tree widths, split_lm_head, split_layers)"),
+    draft: Path = typer.Option(..., "--draft", help="draft artifact folder"),
+    policies: str = typer.Option("ar,chain,lever,lever+prune,ahasd", "--policies"),
+    prompts: str = typer.Option("humaneval:20", "--prompts", help="humaneval:N or file:PATH"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    gamma: int = typer.Option(4, "--gamma", help="draft tokens per chain/ahasd verify"),
+    device: str = typer.Option("snapdragon-8-gen-3", "--device"),
+    target_dram: float = typer.Option(0.0, "--target-dram", help="fraction of target weights resident (0 = Flash-AR)"),
+    draft_dram: float = typer.Option(1.0, "--draft-dram"),
+    ablation: bool = typer.Option(True, "--ablation/--no-ablation"),
+    sweep: str = typer.Option("0,0.5,1", "--sweep", help="target DRAM budgets to sweep ('' = none)"),
+    plot: Path = typer.Option(Path("build/lever/tokens_vs_tree.png"), "--plot"),
+    json_out: Path | None = typer.Option(None, "--json"),
+    provider: str = PROVIDER,
+    threads: int | None = THREADS,
+    ep_option: list[str] = EP_OPTION,
+) -> None:
+    """ar, chain, lever (+prune) and ahasd on the same prompts: decode, ablation and DRAM-sweep tables and a PNG."""
+    from toolchain.bench.lever import LeverBench
+    from toolchain.bench.prompts import prompt_ids
+
+    target, drafter = load_models(artifact, draft, provider, threads, ep_option)
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if "lever+prune" in names and not (target.folder / "predictor.json").is_file():
+        err.print(f"[yellow]no {target.folder / 'predictor.json'}: dropping lever+prune (run mobc train predictor)[/]")
+        names = [n for n in names if "prune" not in n]
+    ids = [x for x in prompt_ids(target.tokenizer, prompts, 0) if len(x) + max_new_tokens + 40 < target.context]
+    b = LeverBench(target, drafter, ids, max_new_tokens, gamma, device, target_dram, draft_dram,
+                   log=log)
+    main = b.table(["ar", *[n for n in names if n != "ar"]])
+    res: dict = {"target": target.name, "draft": drafter.name, "device": device, "target_dram": target_dram,
+                 "draft_dram": draft_dram, "prompts": len(ids), "max_new_tokens": max_new_tokens, "decode": main}
+    cols = [("policy", "policy", ""), ("tok/s CPU", "tokens_per_s_cpu", ".1f"),
+            ("tokens/cycle", "tokens_per_cycle", ".2f"), ("phone ms/tok", "phone_ms_per_token", ".2f"),
+            ("speedup CPU", "speedup_cpu", ".2fx"), ("phone vs ar", "speedup_phone", ".2fx"),
+            ("phone vs chain", "speedup_phone_vs_chain", ".2fx"), ("tree nodes", "mean_tree_nodes", ".1f"),
+            ("lm_head rows", "lm_head_rows", ""), ("overlap", "overlap", ".2f"), ("== ar", "identical_to_ar", "d")]
+    print_rows(f"decode {target.name} + {drafter.name}, {len(ids)} prompts, {device}, target DRAM {target_dram:g}",
+           main, cols)
+    lever_name = "lever"  # the sweep re-runs the main lever policy (its decisions read the cost model)
+    if ablation and "lever" in names:
+        abl = ["ar", "chain", "lever+full"] + (["lever+prune+full", "lever+prune+path"] if "lever+prune" in names
+                                               else ["lever+path"])
+        rows = b.table(abl)
+        labels = {"lever+full": "gain/cost trees only", "lever+prune+full": "+ predictor pruning",
+                  "lever+prune+path": "+ path-only logits", "lever+path": "+ path-only logits (no predictor)"}
+        for r in rows:
+            r["variant"], r["policy"] = r["policy"], labels.get(r["policy"], r["policy"])
+        res["ablation"] = rows
+        print_rows("ablation", rows, [*cols[:7], ("lm_head GFLOP saved", "lm_head_gflops_saved", ".2f"),
+                                  ("pruned nodes", "pruned_nodes", ""), ("verify GFLOP saved", "verify_gflops_saved", ".1f"),
+                                  ("== ar", "identical_to_ar", "d")])
+    budgets = [float(x) for x in sweep.split(",") if x.strip()]
+    if budgets and "lever" in names:
+        rows = b.sweep(budgets, lever_name)
+        res["dram_sweep"] = rows
+        print_rows(f"DRAM sweep (target layers resident), {lever_name}", rows,
+               [("target DRAM", "target_dram", ".0%"), ("ar ms/tok", "ar_ms", ".2f"), ("chain ms/tok", "chain_ms", ".2f"),
+                (f"{lever_name} ms/tok", f"{lever_name}_ms", ".2f"), ("ahasd ms/tok", "ahasd_ms", ".2f"),
+                ("lever vs ar", "lever_vs_ar", ".2fx"), ("lever vs chain", "lever_vs_chain", ".2fx"),
+                ("== ar", "lever_identical", "d")])
+    if "lever" in names:
+        console.print(f"plot: {b.plot(lever_name, plot)}")
+    bad = [r["policy"] for r in main if r["identical_to_ar"] != r["prompts"]]
+    console.print("[green]greedy: every policy reproduces ar on every prompt[/]" if not bad
+                  else f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(res, indent=1, default=str))
+        console.print(f"wrote {json_out}")
+
+
+@app.command("diffusion")
+def bench_diffusion(
+    artifact: Path = typer.Argument(..., help="artifact compiled from a diffusion LM"),
+    configs: str = typer.Option("dllm,fastdllm,llada-off,llada,llada+rev", "--policies",
+                                help="comma-separated configurations (toolchain/bench/diffusion.py)"),
+    prompts: str = typer.Option("humaneval:4", "--prompts", help="humaneval:N or file:PATH"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    block: int = typer.Option(0, "--block", help="block size (0 = the graph width)"),
+    steps: int = typer.Option(8, "--steps", help="LLaDA steps per block"),
+    threshold: float = typer.Option(0.9, "--threshold", help="Fast-dLLM confidence threshold"),
+    device: str = typer.Option("snapdragon-8-gen-3", "--device"),
+    dram: float = typer.Option(1.0, "--dram", help="DRAM budget for the latency column (fraction or bytes)"),
+    prefetch_budgets: str = typer.Option("1.0,0.5,0.25", "--prefetch-budgets", help="DRAM budgets for the prefetch table"),
+    threads: int | None = typer.Option(None, "--threads"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """Compare diffusion decoding policies: calls/token, CPU tok/s, phone latency, agreement; prefetch."""
+    from toolchain.bench.diffusion import bench, prefetch_section
+    from toolchain.bench.prompts import load_prompts
+    from toolchain.runtime.model import StepModel
+
+    model = StepModel(artifact, threads=threads)
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    res = bench(model, names, load_prompts(prompts), max_new_tokens, block, steps, threshold, device, dram,
+                log=log)
+    table = Table(title=f"diffusion decode {res['artifact']}: width {res['width']}, block {res['block']}, "
+                        f"S={steps}, threshold {threshold}, {res['prompts']} prompts x {max_new_tokens} tokens; "
+                        f"phone = {device}, DRAM {dram:g}")
+    for col in ("policy", "tokens", "calls/token", "tok/s CPU", "phone ms/token", "agree w/ dllm", "== rule base",
+                "spec kept/decided", "revision overlap"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in res["rows"]:
+        spec = f"{r['spec_kept']}/{r['spec_decided']}" if "spec_decided" in r else "—"
+        rev = (f"{r['revision_overlap']:.0%} ({r['revised']}/{r['provisional']} re-masked)"
+               if r.get("revision_overlap") is not None else "—")
+        table.add_row(r["policy"], str(r["tokens"]), fmt(r["calls_per_token"], ".3f"),
+                      fmt(r["tokens_per_s_cpu"], ".1f"), fmt(r["phone_ms_per_token"], ".2f"),
+                      fmt(r["agreement_with_dllm"], ".1%"), r["equals_rule_baseline"] or "—", spec, rev)
+    console.print(table)
+    pre = prefetch_section(model, device, [float(b) for b in prefetch_budgets.split(",")])
+    res["prefetch"] = pre
+    t2 = Table(title=f"weight prefetch, {pre['parts']} parts ({'split artifact' if pre['split_artifact'] else 'modelled split'})"
+                     f": predicted phone ms per diffusion call on {device}")
+    for col in ("DRAM budget", "streamed parts (serial/prefetch)", "serial ms", "prefetch ms", "speedup"):
+        t2.add_column(col, justify="right")
+    for p in pre["predicted"]:
+        t2.add_row(f"{p['dram_budget']:g}", f"{p['streamed_parts_serial']}/{p['streamed_parts_prefetch']}",
+                   f"{p['serial_ms']:.2f}", f"{p['prefetch_ms']:.2f}", fmt(p["speedup"], ".2f") + "x")
+    console.print(t2)
+    if pre.get("measured_cpu"):
+        t3 = Table(title="part streaming on this CPU (resident parts = the DRAM budget)")
+        for col in ("resident parts", "prefetch", "ms/call", "load ms/call", "wait ms/call"):
+            t3.add_column(col, justify="right")
+        for m in pre["measured_cpu"]:
+            t3.add_row(str(m["resident_parts"]), str(m["prefetch"]), f"{m['ms_per_call']:.1f}",
+                       f"{m['load_ms_per_call']:.1f}", f"{m['wait_ms_per_call']:.1f}")
+        console.print(t3)
+    bad = [r["policy"] for r in res["rows"] if r["equals_rule_baseline"] not in (None, f"{res['prompts']}/{res['prompts']}")]
+    if bad:
+        console.print(f"[red]speculation off differs from its baseline: {', '.join(bad)}[/]")
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))
+        console.print(f"wrote {json_out}")
+
+
+@app.command("ctg")
+def bench_ctg_cmd(
+    artifact: Path = typer.Argument(..., help="artifact compiled with lora_inputs (slots >= K) and a width >= K graph"),
+    adapter: list[str] = typer.Option([], "--adapter", help="packed adapter per style (repeatable; 'base' = none)"),
+    k: int = typer.Option(8, "-k", help="styles (cycles through --adapter when fewer are given)"),
+    prompts: str = typer.Option("humaneval:4", "--prompts", help="humaneval:N or file:PATH"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="per style"),
+    threads: int | None = typer.Option(None, "--threads"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """K styles decoded concurrently (one call per step) vs K sequential runs: tokens/s and ratio."""
+    from toolchain.bench.lora import bench_ctg
+    from toolchain.bench.prompts import load_prompts
+    from toolchain.runtime.adapters import resolve_adapter
+    from toolchain.runtime.model import StepModel
+
+    model = StepModel(artifact, threads=threads)
+    pool = [None if a == "base" else resolve_adapter(artifact, a) for a in adapter] or [None]
+    styles = [pool[i % len(pool)] for i in range(k)]
+    res = bench_ctg(model, styles, load_prompts(prompts), max_new_tokens, log=log)
+    table = Table(title=f"ctg {res['artifact']}: K={k} styles ({', '.join(res['styles'])}) on {res['prompts']} prompts")
+    for col in ("mode", "tokens", "decode tok/s", "calls", "ratio (decode)", "ratio (end to end)", "phone ms/token",
+                "== sequential"):
+        table.add_column(col, justify="right" if col != "mode" else "left")
+    rows = res["rows"]
+    table.add_row(f"{k} sequential", str(sum(r["seq_tokens"] for r in rows)), f"{res['sequential_tokens_per_s']:.1f}",
+                  str(sum(r["seq_tokens"] for r in rows)), "1.00x", "1.00x",
+                  f"{res['phone_ms_per_token_sequential']:.2f}", "—")
+    table.add_row(f"ctg K={k}", str(sum(r["ctg_tokens"] for r in rows)), f"{res['ctg_tokens_per_s']:.1f}",
+                  str(sum(r["ctg_calls"] for r in rows)), f"{res['ratio_decode']:.2f}x", f"{res['ratio_end_to_end']:.2f}x",
+                  f"{res['phone_ms_per_token_ctg']:.2f}", f"{res['identical_styles']}/{res['total_styles']}")
+    console.print(table)
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))
+
+
+@app.command("ds2d")
+def bench_ds2d_cmd(
+    artifact: Path = typer.Argument(..., help="artifact compiled with forecast_inputs, trained forecast.npz"),
+    prompts: str = typer.Option("humaneval:8", "--prompts", help="humaneval:N or file:PATH"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    forecast: Path | None = typer.Option(None, "--forecast", help="default: ARTIFACT/forecast.npz"),
+    depth: int | None = typer.Option(None, "--depth", help="drafts per round (default m)"),
+    threads: int | None = typer.Option(None, "--threads"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """DS2D vs greedy AR: acceptance length, tokens per call, decode speed, token-for-token equality."""
+    from toolchain.bench.lora import bench_ds2d
+    from toolchain.bench.prompts import load_prompts
+    from toolchain.runtime.model import StepModel
+    from toolchain.runtime.policies.ds2d import load_forecast
+
+    model = StepModel(artifact, threads=threads)
+    res = bench_ds2d(model, load_forecast(artifact, forecast), load_prompts(prompts), max_new_tokens, depth, log=log)
+    table = Table(title=f"ds2d {res['artifact']} (m={res['m']}) on {res['prompts']} prompts, greedy")
+    for col in ("policy", "decode tok/s", "accepted/round", "tokens/call", "speedup CPU", "phone ms/token", "== ar"):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    table.add_row("ar", f"{res['ar_tokens_per_s']:.1f}", "—", "1.00", "1.00x", f"{res['phone_ms_per_token_ar']:.2f}", "—")
+    table.add_row("ds2d", f"{res['ds2d_tokens_per_s']:.1f}", f"{res['accepted_per_round']:.2f}",
+                  f"{res['tokens_per_call']:.2f}", f"{res['speedup']:.2f}x", f"{res['phone_ms_per_token_ds2d']:.2f}",
+                  f"{res['identical']}/{res['prompts']}")
+    console.print(table)
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))

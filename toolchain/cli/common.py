@@ -1,0 +1,78 @@
+"""What every command module shares: one console pair, the runtime options, formatting, tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from toolchain.errors import MobcError
+
+# tables stay readable when piped to a file or a CI log (rich would wrap them at 80 columns)
+console = Console() if sys.stdout.isatty() else Console(width=200)
+err = Console(stderr=True)
+
+PROVIDER = typer.Option("cpu", "--provider", help="onnxruntime provider: cpu or qnn")
+THREADS = typer.Option(None, "--threads", help="intra-op threads (default: onnxruntime's choice)")
+EP_OPTION = typer.Option([], "--ep-option", help="provider option key=value (repeatable), e.g. soc_model=57")
+
+
+def log(message: str) -> None:
+    """Progress of a long command, dim on stderr (stdout keeps the results)."""
+    err.print(f"[dim]{message}[/]")
+
+
+def ep_options(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise MobcError(f"--ep-option {item!r}: write key=value")
+        out[key] = value
+    return out
+
+
+def load_models(artifact: Path, draft: Path | None, provider: str, threads: int | None, ep: list[str]):
+    """(target, draft or None) StepModels on one provider."""
+    from toolchain.runtime.model import StepModel
+
+    opts = ep_options(ep)
+    target = StepModel(artifact, provider, threads, opts)
+    drafter = StepModel(draft, provider, threads, opts) if draft else None
+    return target, drafter
+
+
+def load_source(artifact: Path) -> Any:
+    """The artifact's source model, loaded offline as the compile did."""
+    from toolchain.artifact.manifest import Manifest
+    from toolchain.compile.recipe import SourceSpec
+    from toolchain.compile.source import load
+
+    manifest = Manifest.load(artifact)
+    base = Path(manifest.recipe_file or ".").parent
+    return load(SourceSpec(**manifest.source["spec"]), base=base)
+
+
+def fmt(v: Any, spec: str = ".2f") -> str:
+    """A table cell: '—' for a missing value, numbers by `spec`, anything else as text."""
+    if v is None:
+        return "—"
+    return format(v, spec) if isinstance(v, int | float) else str(v)
+
+
+def print_rows(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
+    """A table of `rows` (dicts); cols are (header, key, format spec; a trailing x marks a ratio)."""
+    t = Table(title=title)
+    for head, _, _ in cols:
+        t.add_column(head, justify="left" if head in ("policy", "mode") else "right")
+    for r in rows:
+        cells = []
+        for _, key, spec in cols:
+            ratio = spec.endswith("x") and r.get(key) is not None
+            cells.append(fmt(r.get(key), spec.rstrip("x")) + ("x" if ratio else ""))
+        t.add_row(*cells)
+    console.print(t)

@@ -1,0 +1,156 @@
+"""`mobc train draft|predictor|diffusion|forecast`: the small trained assets the runtime uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from toolchain.cli.common import THREADS, console, load_models, load_source, log
+from toolchain.errors import MobcError
+
+app = typer.Typer(no_args_is_help=True, help="Train helper models for the runtime (drafts, predictor, diffusion LM, forecasts).")
+
+
+@app.command("draft")
+def train_draft(
+    recipe: Path = typer.Argument(..., help="the target's recipe, e.g. recipes/smollm2-135m.yaml"),
+    out: Path = typer.Option(..., "--out", help="folder for the draft (Hugging Face save_pretrained layout)"),
+    layers: str = typer.Option("6", "--layers", help="k (first k-1 layers + last) or indices like 0-4,29"),
+    minutes: float = typer.Option(4.0, "--minutes", help="wall-clock budget of the distillation loop"),
+    seq_len: int = typer.Option(256, "--seq-len"),
+    batch: int = typer.Option(4, "--batch"),
+    lr: float = typer.Option(2e-4, "--lr"),
+    corpus_tokens: int = typer.Option(65_536, "--corpus-tokens", help="most stdlib tokens the teacher pass covers"),
+    generated: int = typer.Option(0, "--generated-windows",
+                                  help="also distill on this many windows of the target's own greedy continuations "
+                                       "of stdlib prompts (on-policy data; what speculative decoding is judged on)"),
+    init: Path | None = typer.Option(None, "--init", help="continue distilling a draft this command saved "
+                                                           "(--layers is then taken from it)"),
+    recipe_out: Path | None = typer.Option(None, "--recipe-out", help="also write a recipe compiling the draft"),
+) -> None:
+    """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source."""
+    from toolchain.compile.recipe import load_recipe
+    from toolchain.train.draft import DistillConfig
+    from toolchain.train.draft import train_draft as run_train
+
+    cfg = DistillConfig(seconds=minutes * 60, seq_len=seq_len, batch=batch, lr=lr, corpus_tokens=corpus_tokens,
+                        generated_windows=generated, init=str(init) if init else None)
+    report = run_train(recipe, out, layers, cfg, log=log)
+    console.print(f"[bold green]draft[/] {out}: {report['params'] / 1e6:.1f}M params, layers {report['config']['layers']}, "
+                  f"held-out top-1 agreement with the target: lens {report['agreement_lens']:.3f}, distilled "
+                  f"{report['agreement_distilled']:.3f} after {report['steps']} steps (kept {report['kept']}; "
+                  f"{report['loop_seconds']:.0f} s teacher pass + distillation, {report['total_seconds']:.0f} s total)")
+    if recipe_out:
+        target = load_recipe(recipe)
+        graphs = "\n".join(f"  {n}: {{width: {g.width}, context: {g.context}}}" for n, g in target.graphs.items()
+                           if n in ("decode", "prefill"))
+        rel = Path(__import__("os").path.relpath(out.resolve(), recipe_out.resolve().parent))
+        recipe_out.write_text(
+            f"# Draft for {target.name}, made by `mobc train draft` (layers {report['config']['layers']}).\n"
+            f"name: {target.name}-draft\nsource: {{path: {rel}}}\ngraphs:\n{graphs}\n"
+            f"tolerance: {{max_abs: {target.tolerance.max_abs:g}}}\nverify: {{greedy_tokens: 16}}\n")
+        console.print(f"wrote {recipe_out}; compile it with mobc compile {recipe_out}")
+
+
+@app.command("predictor")
+def train_predictor(
+    artifact: Path = typer.Argument(..., help="target artifact compiled with split_layers at the predictor layer"),
+    draft: Path = typer.Option(..., "--draft", help="draft artifact folder"),
+    prompts: str = typer.Option("humaneval:40", "--prompts"),
+    skip: int = typer.Option(100, "--skip", help="skip the first N prompts (keep the bench's prompts out)"),
+    minutes: float = typer.Option(3.0, "--minutes"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    recall: float = typer.Option(0.95, "--recall", help="recall of accepted-worthy branches to keep"),
+    out: Path | None = typer.Option(None, "--out", help="default: ARTIFACT/predictor.json (found by lever+prune)"),
+    threads: int | None = THREADS,
+) -> None:
+    """Fit lever's branch predictor on real target + draft runs; report precision/recall."""
+    from toolchain.bench.prompts import prompt_ids
+    from toolchain.runtime.predictor import save_predictor
+    from toolchain.train.predictor import train_predictor as fit
+
+    target, drafter = load_models(artifact, draft, "cpu", threads, [])
+    if drafter is None:
+        raise MobcError("--draft is required")
+    texts = [target.tokenizer.decode(x) for x in prompt_ids(target.tokenizer, prompts, skip)]
+    spec = fit(target, drafter, texts, seconds=minutes * 60, max_new_tokens=max_new_tokens, recall=recall,
+               log=log)
+    path = save_predictor(spec, out or artifact / "predictor.json")
+    m = spec.metrics
+    console.print(f"[bold green]predictor[/] {path}: layer {spec.layer}, threshold {spec.threshold:.3f}, "
+                  f"{m['train_nodes']} train / {m['test_nodes']} test nodes from {m['prompts']} prompts "
+                  f"({m['seconds']:.0f} s)")
+    t, bb = m["test"], m["backbone_only"]
+    console.print(f"held-out: precision {t['precision']:.3f}, recall {t['recall']:.3f}, pruned {t['pruned_fraction']:.1%} "
+                  f"of nodes (backbone only: precision {bb['precision']:.3f}, recall {bb['recall']:.3f})")
+
+
+@app.command("diffusion")
+def train_diffusion(
+    recipe: Path = typer.Argument(..., help="the AR model's recipe, e.g. recipes/smollm2-135m.yaml"),
+    out: Path = typer.Option(..., "--out", help="folder for the diffusion LM (save_pretrained + diffusion.json)"),
+    minutes: float = typer.Option(15.0, "--minutes", help="wall-clock budget of the training loop"),
+    seq_len: int = typer.Option(96, "--seq-len"),
+    block: int = typer.Option(32, "--block", help="diffusion block size trained for (= the graph width)"),
+    batch: int = typer.Option(4, "--batch"),
+    lr: float = typer.Option(2e-4, "--lr"),
+    mask_token: str = typer.Option("<empty_output>", "--mask-token", help="an unused special token to use as [MASK]"),
+    init: Path | None = typer.Option(None, "--init", help="continue training a diffusion LM saved by an earlier --out"),
+    seed: int = typer.Option(0, "--seed", help="which windows and masks are drawn (give a new one with --init)"),
+) -> None:
+    """Adapt an AR LM into a masked diffusion LM (Dream-style) on stdlib source; report masked accuracy."""
+    from toolchain.train.diffusion import DiffusionTrainConfig
+    from toolchain.train.diffusion import train_diffusion as run_train
+
+    cfg = DiffusionTrainConfig(seconds=minutes * 60, seq_len=seq_len, block=block, batch=batch, lr=lr, seed=seed,
+                               mask_token=mask_token)
+    rep = run_train(recipe, out, cfg, log=log, init=init)
+    b, a = rep["accuracy_before"], rep["accuracy_after"]
+    table = Table(title=f"held-out masked-token accuracy ({rep['steps']} steps, {rep['seconds']:.0f} s training)")
+    for col in ("mask rate", "acc before", "acc after", "NLL before", "NLL after"):
+        table.add_column(col, justify="right")
+    for rate in ("0.15", "0.5", "0.9"):
+        table.add_row(rate, f"{b['acc@' + rate]:.3f}", f"{a['acc@' + rate]:.3f}", f"{b['nll@' + rate]:.2f}",
+                      f"{a['nll@' + rate]:.2f}")
+    console.print(table)
+    for s in rep["samples"]:
+        console.print(f"[bold]prompt[/] {s['prompt']!r} (S={s['steps']} steps per block)\n[bold]->[/] "
+                      f"{s['completion']!r}", highlight=False)
+    console.print(f"[bold green]diffusion LM[/] {out} ({rep['total_seconds']:.0f} s total); compile it with "
+                  "mobc compile recipes/smollm2-135m-diffusion.yaml")
+
+
+@app.command("forecast")
+def train_forecast_cmd(
+    artifact: Path = typer.Argument(..., help="artifact folder compiled with forecast_inputs"),
+    minutes: float = typer.Option(3.0, "--minutes", help="wall-clock budget of the training loop"),
+    seq_len: int = typer.Option(128, "--seq-len"),
+    anchors: int = typer.Option(32, "--anchors", help="forecast sets per training sequence"),
+    lr: float = typer.Option(1e-2, "--lr"),
+    out: Path | None = typer.Option(None, "--out", help="default: ARTIFACT/forecast.npz"),
+    resume: bool = typer.Option(False, "--resume", help="start from the embeddings already at --out"),
+) -> None:
+    """Prefix-tune DS2D's forecast embeddings on stdlib source with the base model frozen."""
+    from toolchain.artifact.manifest import Manifest
+    from toolchain.runtime.policies.ds2d import FORECAST_FILE
+    from toolchain.train.forecast import ForecastConfig, save_forecast, train_forecast
+
+    manifest = Manifest.load(artifact)
+    shapes = [i.shape for g in manifest.graphs for i in g.inputs if i.name == "forecast_embeds"]
+    if not shapes:
+        raise MobcError(f"{artifact} has no forecast_embeds input; add `- forecast_inputs: {{m: 3}}` to the "
+                        "recipe's passes and recompile")
+    path = out or artifact / FORECAST_FILE
+    init = None
+    if resume:
+        from toolchain.runtime.policies.ds2d import load_forecast
+
+        init = load_forecast(artifact, path)
+    lm = load_source(artifact)
+    cfg = ForecastConfig(seconds=minutes * 60, seq_len=seq_len, anchors=anchors, lr=lr)
+    embeds, report = train_forecast(lm.model, lm.tokenizer, shapes[0][0], cfg, log=log, init=init)
+    save_forecast(path, embeds, report)
+    console.print(f"[bold green]forecast[/] {path}: m={report['m']}, {report['steps']} steps in {report['seconds']:.0f} s; "
+                  f"top-1 per slot {report['accuracy_before']} -> {report['accuracy_after']} (held-out os.py)")
