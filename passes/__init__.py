@@ -1,8 +1,8 @@
 """Graph passes over onnx_ir, one pass per file; importing this package registers them all."""
 
-from passes.registry import PASSES, build, register
+from passes.registry import PASSES, build, check_order, register
 
-__all__ = ["PASSES", "build", "register"]
+__all__ = ["PASSES", "build", "check_order", "register"]
 
 # importing a pass module registers it
 from passes import (  # noqa: E402,F401
@@ -10,7 +10,7 @@ from passes import (  # noqa: E402,F401
     fold_constants,
     forecast_inputs,
     linear_to_conv,
-    lora_inputs,  # noqa: E402,F401
+    lora_inputs,
     mha_to_sha,
     rescale_residual,
     scale_rmsnorm,

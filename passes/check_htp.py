@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.registry import PassConfig, register
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
 from toolchain.errors import PassError
 
 _IO_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.INT32}
 
 
 @register("check_htp")
-class CheckHtp(ir.passes.InPlacePass):
+class CheckHtp(GraphPass):
     class Config(PassConfig):
         max_rank: int = 4
         banned_ops: list[str] = ["GatherND", "ScatterND", "NonZero", "Loop", "If", "Scan"]
-
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
 
     def problems(self, model: ir.Model) -> list[str]:
         found = []
@@ -50,12 +47,12 @@ class CheckHtp(ir.passes.InPlacePass):
                     found.append(f"{node.name} computes int64 {v.name} at run time (HTP: int32 indices)")
         return found
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def rewrite(self, model: ir.Model) -> bool:
         found = self.problems(model)
         if found:
             more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
             raise PassError(f"graph {model.graph.name!r} is not HTP-ready: " + "; ".join(found[:5]) + more)
-        return ir.passes.PassResult(model, modified=False)
+        return False
 
     def ensures(self, model: ir.Model) -> None:
         assert not self.problems(model)

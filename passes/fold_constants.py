@@ -20,21 +20,17 @@ import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
 from onnxscript.optimizer import fold_constants
 
-from passes.registry import PassConfig, register
-from toolchain.ir.graph import mark_names_stale
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
 
 
 @register("fold_constants")
-class FoldConstants(ir.passes.InPlacePass):
+class FoldConstants(GraphPass):
     class Config(PassConfig):
         input_size_limit: int = 8192  # elements of a constant input a folded node may read
         output_size_limit: int = 512 * 512  # elements a folded output may have
 
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def rewrite(self, model: ir.Model) -> bool:
         before = len(model.graph)
         fold_constants(
             model,
@@ -43,8 +39,7 @@ class FoldConstants(ir.passes.InPlacePass):
         )
         IdentityEliminationPass()(model)
         RemoveUnusedNodesPass()(model)
-        mark_names_stale(model.graph)
-        return ir.passes.PassResult(model, modified=len(model.graph) != before)
+        return len(model.graph) != before
 
     def ensures(self, model: ir.Model) -> None:
         graph_outputs = set(model.graph.outputs)

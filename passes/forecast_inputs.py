@@ -22,9 +22,10 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import Field
 
-from passes.registry import PassConfig, register
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
 from toolchain.errors import PassError
-from toolchain.ir.graph import add_initializer, mark_names_stale, new_node, scope, shape_of
+from toolchain.ir.graph import add_initializer, new_node, scope, shape_of
 
 EMBEDS_INPUT = "forecast_embeds"
 SELECT_INPUT = "forecast_select"
@@ -46,15 +47,13 @@ def embedding_output(model: ir.Model) -> ir.Value:
 
 
 @register("forecast_inputs")
-class ForecastInputs(ir.passes.InPlacePass):
+class ForecastInputs(GraphPass):
+    runs_before = ("split_layers", "split_parts", "split_lm_head")
+
     class Config(PassConfig):
         m: int = Field(3, ge=1, le=16, description="forecast embeddings (future tokens proposed per token)")
 
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def rewrite(self, model: ir.Model) -> bool:
         graph = model.graph
         if any(v.name == EMBEDS_INPUT for v in graph.inputs):
             raise PassError("forecast_inputs: the graph already has forecast inputs; list the pass once")
@@ -80,8 +79,7 @@ class ForecastInputs(ir.passes.InPlacePass):
                       dtype=f32, after=n4)
         for node, idx in readers:
             node.replace_input_with(idx, n5.outputs[0])
-        mark_names_stale(graph)
-        return ir.passes.PassResult(model, modified=True)
+        return True
 
     def ensures(self, model: ir.Model) -> None:
         ins = {v.name: v for v in model.graph.inputs}

@@ -27,12 +27,12 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
-from passes.registry import PassConfig, register
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
 from passes.simplify_layout import simplify
 from toolchain.ir.graph import (
     add_initializer,
     const_array,
-    mark_names_stale,
     new_node,
     remove_unused,
     scope,
@@ -191,15 +191,11 @@ def _first_user(graph: ir.Graph, x: ir.Value, default: ir.Node) -> ir.Node:
 
 
 @register("linear_to_conv")
-class LinearToConv(ir.passes.InPlacePass):
+class LinearToConv(GraphPass):
     class Config(PassConfig):
         keep_layout: Literal["nchw", "none"] = "nchw"  # push layout changes through elementwise ops
 
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def rewrite(self, model: ir.Model) -> bool:
         cv = _Converter(model, self.config.keep_layout == "nchw")
         for node in list(model.graph):
             w = _weight(node)
@@ -208,13 +204,12 @@ class LinearToConv(ir.passes.InPlacePass):
             elif node not in cv.done:
                 cv.visit(node)
         if not cv.replaced:
-            return ir.passes.PassResult(model, modified=False)
+            return False
         cv.materialize()
         remove_unused(model)
-        mark_names_stale(model.graph)
         if cv.push:
             simplify(model)  # cancel the reshape/transpose chains left at block boundaries
-        return ir.passes.PassResult(model, modified=True)
+        return True
 
     def ensures(self, model: ir.Model) -> None:
         for node in model.graph:

@@ -36,9 +36,10 @@ from collections import defaultdict
 import onnx_ir as ir
 from pydantic import Field, field_validator
 
-from passes.registry import PassConfig, register
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
 from toolchain.errors import PassError
-from toolchain.ir.graph import const_array, mark_names_stale, new_node, scope, shape_of
+from toolchain.ir.graph import const_array, new_node, scope, shape_of
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROWS_INPUT = "lora_rows"
@@ -63,7 +64,10 @@ def _input(graph: ir.Graph, name: str, shape: list[int]) -> ir.Value:
 
 
 @register("lora_inputs")
-class LoraInputs(ir.passes.InPlacePass):
+class LoraInputs(GraphPass):
+    runs_after = ("mha_to_sha",)
+    runs_before = ("split_layers", "split_parts", "split_lm_head")
+
     class Config(PassConfig):
         targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"],
                                    description="projection names, or [all-linear]")
@@ -79,10 +83,6 @@ class LoraInputs(ir.passes.InPlacePass):
             if bad or not targets:
                 raise ValueError(f"unknown targets {bad}; use some of {', '.join(LINEAR_TARGETS)} or [all-linear]")
             return sorted(set(targets), key=LINEAR_TARGETS.index)
-
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
 
     @property
     def rank_total(self) -> int:
@@ -117,12 +117,12 @@ class LoraInputs(ir.passes.InPlacePass):
                 "target only projections the model has"
             )
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def rewrite(self, model: ir.Model) -> bool:
         self._check(model)
         graph = model.graph
         sites = self._sites(model)
         if not sites:
-            return ir.passes.PassResult(model, modified=False)
+            return False
         r = self.rank_total
         n = shape_of(sites[0][0].outputs[0])[-2]
         rows = _input(graph, ROWS_INPUT, [1, n, r])
@@ -155,8 +155,7 @@ class LoraInputs(ir.passes.InPlacePass):
                     use.node.replace_input_with(use.idx, out)
             if y in graph.outputs:
                 graph.outputs[list(graph.outputs).index(y)] = out
-        mark_names_stale(graph)
-        return ir.passes.PassResult(model, modified=True)
+        return True
 
     def ensures(self, model: ir.Model) -> None:
         graph = model.graph

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from passes.registry import PassConfig, register
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
 from toolchain.ir.graph import (
     add_initializer,
     const_array,
-    mark_names_stale,
     new_node,
     remove_unused,
     scope,
@@ -351,13 +351,11 @@ def _first_user(graph: ir.Graph, v: ir.Value) -> ir.Node:
 
 
 @register("mha_to_sha")
-class MhaToSha(ir.passes.InPlacePass):
+class MhaToSha(GraphPass):
+    runs_before = ("linear_to_conv",)
+
     class Config(PassConfig):
         projections: list[str] = ["q", "k", "v"]  # which projections seed the head split
-
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
 
     def requires(self, model: ir.Model) -> None:
         for node in model.graph:
@@ -366,7 +364,7 @@ class MhaToSha(ir.passes.InPlacePass):
                     f"{node.name} is already a Conv: list mha_to_sha before linear_to_conv in the recipe"
                 )
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def rewrite(self, model: ir.Model) -> bool:
         rw = _Rewriter(model)
         seeded = False
         for node in list(model.graph):
@@ -381,14 +379,13 @@ class MhaToSha(ir.passes.InPlacePass):
             elif rw.heads:
                 rw.visit(node)
         if not seeded:
-            return ir.passes.PassResult(model, modified=False)
+            return False
         rw.materialize()
         for node in reversed(rw.replaced):
             if not any(o.uses() for o in node.outputs) and not set(node.outputs) & set(model.graph.outputs):
                 model.graph.remove(node, safe=True)
         remove_unused(model)
-        mark_names_stale(model.graph)
-        return ir.passes.PassResult(model, modified=True)
+        return True
 
     def ensures(self, model: ir.Model) -> None:
         for node in model.graph:

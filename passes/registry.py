@@ -1,27 +1,21 @@
 """The pass registry: recipes name passes; each name maps to one class in one file of passes/.
 
-A pass class subclasses an onnx_ir pass (InPlacePass or FunctionalPass), takes its pydantic
-config in __init__ and declares:
-  - `Config`: a pydantic model (extra="forbid") of its options,
-  - `ensures(model)`: raises AssertionError when the invariant the pass promises does not hold
-    (tests call it; the pipeline calls it after the pass runs),
-  - optionally `graph_level = True` when it turns one graph into several (see toolchain/ir/graphset.py);
-    such a pass implements `apply(graphset, family) -> GraphSet` instead of `call(model)`.
+A pass class subclasses passes.base.GraphPass (one graph in place) or GraphSetPass (one family
+into stages) and is registered by name with `@register`. `build` turns a recipe entry into a
+configured instance, naming a bad key and the valid ones; `check_order` checks a recipe's whole
+list against the passes' declared `runs_after` / `runs_before` before any work starts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
-from toolchain.errors import RecipeError
+from passes.base import PassSpec
+from toolchain.errors import PassError, RecipeError
 
-PASSES: dict[str, type] = {}
-
-
-class PassConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+PASSES: dict[str, type[PassSpec]] = {}
 
 
 def register(name: str):
@@ -63,3 +57,22 @@ def build(spec: str | dict[str, Any], index: int = 0) -> Any:
                 problems.append(f"passes.{index}.{name}.{key}: {err['msg']}")
         raise RecipeError("\n".join(problems)) from None
     return cls(config)
+
+
+def check_order(specs: list) -> list[Any]:
+    """Builds every pass of a recipe's list and checks the declared order constraints."""
+    built = [build(spec, i) for i, spec in enumerate(specs)]
+    position = {}
+    for i, p in enumerate(built):
+        position.setdefault(p.pass_name, i)
+    for i, p in enumerate(built):
+        for other in p.runs_after:
+            if position.get(other, -1) > i:
+                raise PassError(f"passes.{i}: {p.pass_name} must run after {other}; "
+                                f"list {other} before {p.pass_name} in the recipe's passes")
+        for other in p.runs_before:
+            j = position.get(other)
+            if j is not None and j < i:
+                raise PassError(f"passes.{i}: {p.pass_name} must run before {other}; "
+                                f"list {p.pass_name} before {other} in the recipe's passes")
+    return built

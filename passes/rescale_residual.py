@@ -33,10 +33,11 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import field_validator
 
-from passes.registry import PassConfig, register
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
 from passes.scale_rmsnorm import match_rmsnorm
 from toolchain.errors import PassError
-from toolchain.ir.graph import add_initializer, mark_names_stale, new_node, remove_unused, scope
+from toolchain.ir.graph import add_initializer, new_node, remove_unused, scope
 
 META_KEY = "mobc.residual_scale"
 
@@ -85,7 +86,9 @@ def _constant_derived(value: ir.Value | None, depth: int = 0) -> bool:
 
 
 @register("rescale_residual")
-class RescaleResidual(ir.passes.InPlacePass):
+class RescaleResidual(GraphPass):
+    runs_before = ("scale_rmsnorm", "split_layers", "split_parts", "split_lm_head")
+
     class Config(PassConfig):
         factor: float = 0.25  # c; a power of two keeps every rescaled weight bit-exact
 
@@ -96,14 +99,10 @@ class RescaleResidual(ir.passes.InPlacePass):
                 raise ValueError(f"factor must be a positive power of two such as 0.25 (got {v})")
             return v
 
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def rewrite(self, model: ir.Model) -> bool:
         c = self.config.factor
         if c == 1.0 or META_KEY in model.metadata_props:
-            return ir.passes.PassResult(model, modified=False)
+            return False
         graph = model.graph
         stream, adds, norms = residual_stream(graph)
         on_stream = set(stream)
@@ -118,8 +117,7 @@ class RescaleResidual(ir.passes.InPlacePass):
             add.replace_input_with(m["eps_index"], add_initializer(graph, "rmsnorm.eps_residual", scaled))
         model.metadata_props[META_KEY] = repr(c)
         remove_unused(model)
-        mark_names_stale(graph)
-        return ir.passes.PassResult(model, modified=True)
+        return True
 
     def _scale(self, graph: ir.Graph, value: ir.Value, consumer: ir.Node | None, c: float) -> None:
         """Makes `value` (as seen by `consumer`, or by everyone when None) c times larger."""

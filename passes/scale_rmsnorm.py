@@ -40,8 +40,9 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import field_validator
 
-from passes.registry import PassConfig, register
-from toolchain.ir.graph import add_initializer, const_array, mark_names_stale, new_node, remove_unused, scope
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
+from toolchain.ir.graph import add_initializer, const_array, new_node, remove_unused, scope
 
 
 def _sole_use(value: ir.Value, op_type: str) -> ir.Node | None:
@@ -81,7 +82,7 @@ def match_rmsnorm(pow_node: ir.Node) -> dict | None:
 
 
 @register("scale_rmsnorm")
-class ScaleRmsNorm(ir.passes.InPlacePass):
+class ScaleRmsNorm(GraphPass):
     class Config(PassConfig):
         # "dynamic": s = 1/max|x| per row (see _dynamic); or a constant power of two (bit-exact)
         scale: float | Literal["dynamic"] = "dynamic"
@@ -94,19 +95,14 @@ class ScaleRmsNorm(ir.passes.InPlacePass):
                 raise ValueError(f"scale must be a positive power of two such as 0.00390625 (got {v})")
             return v
 
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def rewrite(self, model: ir.Model) -> bool:
         graph = model.graph
         matches = [m for node in list(graph) if (m := match_rmsnorm(node))]
         for m in matches:
             self._rewrite(graph, m)
         if matches:
             remove_unused(model)  # the shared exponent constant 2.0
-            mark_names_stale(graph)
-        return ir.passes.PassResult(model, modified=bool(matches))
+        return bool(matches)
 
     def _rewrite(self, graph: ir.Graph, m: dict) -> None:
         x: ir.Value = m["x"]

@@ -25,7 +25,8 @@ from onnxscript.rewriter._basics import MatchResult
 from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase
 from onnxscript.rewriter.rules.common import _basic_rules as basic
 
-from passes.registry import PassConfig, register
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
 from toolchain.ir.graph import mark_names_stale, scope, unique_node_name
 
 
@@ -109,16 +110,12 @@ def simplify(model: ir.Model, max_rounds: int = 4) -> bool:
 
 
 @register("simplify_layout")
-class SimplifyLayout(ir.passes.InPlacePass):
+class SimplifyLayout(GraphPass):
     class Config(PassConfig):
         pass
 
-    def __init__(self, config: Config | None = None):
-        super().__init__()
-        self.config = config or self.Config()
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return ir.passes.PassResult(model, modified=simplify(model))
+    def rewrite(self, model: ir.Model) -> bool:
+        return simplify(model)
 
     def ensures(self, model: ir.Model) -> None:
         for node in model.graph:

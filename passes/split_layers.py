@@ -18,7 +18,7 @@ Every part records meta {"layers": [start, stop]} (stop exclusive), the manifest
 
 Requires: node names with the layer prefix `layers.<i>.` (export.py; every mobc pass keeps it)
   and a single residual tensor crossing each cut.
-Ensures (`ensures_set`): the parts' layer ranges tile the layer range in order, each part j >= 1
+Ensures (`ensures`): the parts' layer ranges tile the layer range in order, each part j >= 1
   has input `residual_<start>` produced by part j-1, and every node of a part that depends on
   the tokens belongs to its layers or to no layer.
 """
@@ -29,7 +29,8 @@ import dataclasses
 
 import onnx_ir as ir
 
-from passes.registry import PassConfig, register
+from passes.base import GraphSetPass, PassConfig
+from passes.registry import register
 from toolchain.errors import PassError
 from toolchain.ir.graph import extract, layer_of, scope
 from toolchain.ir.graphset import GraphSet
@@ -64,15 +65,10 @@ def _layer_bytes(model: ir.Model, n_layers: int) -> list[int]:
 
 
 @register("split_layers")
-class SplitLayers:
-    graph_level = True
-
+class SplitLayers(GraphSetPass):
     class Config(PassConfig):
         at: list[int] = []  # cut before these layers
         max_part_bytes: float | None = None  # weight budget per part
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def cuts(self, model: ir.Model, n_layers: int) -> list[int]:
         cuts = set(self.config.at)
@@ -135,7 +131,7 @@ class SplitLayers:
         gs.replace_family(family, stages)
         return gs
 
-    def ensures_set(self, gs: GraphSet, family: str) -> None:
+    def ensures(self, gs: GraphSet, family: str) -> None:
         parts = [e for e in gs.chain(family) if "layers" in e.meta]
         if not parts:
             return

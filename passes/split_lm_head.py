@@ -14,7 +14,7 @@ on disk), so the two stay bit-identical.
 
 Requires: a stage with output `logits` whose final norm nodes are named `norm/...` (export.py)
   and whose projection nodes are named `lm_head/...`.
-Ensures (`ensures_set`): the family has exactly one lm_head stage, which is the last stage,
+Ensures (`ensures`): the family has exactly one lm_head stage, which is the last stage,
   has the single input `hidden` and outputs `logits`; no other stage outputs `logits`.
 """
 
@@ -24,7 +24,8 @@ import dataclasses
 
 import onnx_ir as ir
 
-from passes.registry import PassConfig, register
+from passes.base import GraphSetPass, PassConfig
+from passes.registry import register
 from toolchain.errors import PassError
 from toolchain.ir.graph import extract, scope
 from toolchain.ir.graphset import GraphEntry, GraphSet
@@ -53,14 +54,9 @@ def _cut_value(model: ir.Model, prefix: str) -> str:
 
 
 @register("split_lm_head")
-class SplitLmHead:
-    graph_level = True
-
+class SplitLmHead(GraphSetPass):
     class Config(PassConfig):
         include_norm: bool = True  # the final norm runs in the lm_head graph
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def apply(self, gs: GraphSet, family: str) -> GraphSet:
         chain = gs.chain(family)
@@ -99,7 +95,7 @@ class SplitLmHead:
         gs.replace_family(family, stages)
         return gs
 
-    def ensures_set(self, gs: GraphSet, family: str) -> None:
+    def ensures(self, gs: GraphSet, family: str) -> None:
         chain = gs.chain(family)
         heads = [e for e in chain if e.role == "lm_head"]
         assert len(heads) == 1 and heads[0] is chain[-1], f"{family}: lm_head must be the last stage"

@@ -23,7 +23,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 from rich.table import Table
 
-from passes.registry import build
+from passes.base import GraphSetPass
+from passes.registry import check_order
 from toolchain.artifact.chain import run_chain
 from toolchain.errors import MobcError, PassError
 from toolchain.ir.graphset import GraphEntry, GraphSet
@@ -83,11 +84,10 @@ def _run_all(gs: GraphSet, feeds: Feeds) -> dict[str, dict[str, np.ndarray]]:
 
 
 def _apply(p: Any, gs: GraphSet) -> GraphSet:
-    if getattr(p, "graph_level", False):
+    if isinstance(p, GraphSetPass):
         for fam in gs.families():
             gs = p.apply(gs, fam)
-            if hasattr(p, "ensures_set"):
-                p.ensures_set(gs, fam)
+            p.ensures(gs, fam)
         return gs
     for entry in list(gs.entries.values()):
         result = p(entry.model)  # onnx_ir's PassBase.__call__ runs requires/call/ensures
@@ -130,7 +130,7 @@ def run_passes(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[GraphSet, list[dict]]:
     """Applies `specs` (recipe pass list) in order; returns the new GraphSet and one row per pass."""
-    passes = [build(spec, i) for i, spec in enumerate(specs)]
+    passes = check_order(specs)
     rows: list[dict] = []
     before = _run_all(graphset, feeds)
     for p in passes:

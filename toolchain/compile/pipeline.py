@@ -195,8 +195,7 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
     timer = StageTimer(reporter)
     recipe_path = Path(recipe_path)
     recipe = load_recipe(recipe_path)
-    for i, spec in enumerate(recipe.passes):  # reject bad pass names/options before any work
-        pass_registry.build(spec, i)
+    pass_registry.check_order(list(recipe.passes))  # bad names, options or order fail before any work
     out_dir = Path(out) if out else recipe.output_dir()
     if out_dir.exists() and not force:
         from toolchain.errors import ArtifactError

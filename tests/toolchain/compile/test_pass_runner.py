@@ -9,7 +9,8 @@ import onnx_ir as ir
 import pytest
 from rich.console import Console
 
-from passes.registry import PASSES, PassConfig, register
+from passes.base import GraphPass, PassConfig
+from passes.registry import PASSES, register
 from tests.passes.tiny import graphset_for
 from toolchain.compile.pass_runner import format_pass_table, run_passes
 from toolchain.errors import PassError, RecipeError
@@ -22,21 +23,17 @@ class _Scale(PassConfig):
 if "test_break_mlp" not in PASSES:
 
     @register("test_break_mlp")
-    class BreakMlp(ir.passes.InPlacePass):
+    class BreakMlp(GraphPass):
         """Deliberately wrong: scales layer 1's down_proj weight (changes logits)."""
 
         Config = _Scale
 
-        def __init__(self, config: _Scale):
-            super().__init__()
-            self.config = config
-
-        def call(self, model):
+        def rewrite(self, model):
             for node in model.graph:
                 if node.name.startswith("layers.1.mlp.down_proj") and node.op_type == "MatMul":
                     w = node.inputs[1]
                     w.const_value = ir.tensor(w.const_value.numpy() * self.config.factor, name=w.name)
-            return ir.passes.PassResult(model, True)
+            return True
 
 
 def test_rows_are_json_and_table_renders():

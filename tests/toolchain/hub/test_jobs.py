@@ -260,7 +260,7 @@ def test_not_an_artifact(tmp_path):
 
 
 def test_cli_dry_run_prints_calls_and_writes_nothing(tmp_path):
-    from toolchain.cli.hub import hub_app
+    from toolchain.cli.hub import app as hub_app
 
     art = make_artifact(tmp_path / "a")
     before = _snapshot(art)
