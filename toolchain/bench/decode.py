@@ -61,11 +61,13 @@ class Predictor:
         return cls(costs, cm, {f: cm.call_latency(c).total_s for f, c in costs.items()},
                    PhonePrices(sm, device, dram_budget))
 
-    def seconds(self, calls: Counter[str]) -> float:
-        for f in calls:
-            if f not in self.per_call:  # `body:<family>`, `stage:<graph>`, ...: calls of part of a family
-                self.per_call[f] = self.stage_prices.seconds(f)
-        return sum(n * self.per_call[f] for f, n in calls.items())
+    def seconds(self, key: str) -> float:
+        if key not in self.per_call:  # `body:<family>`, `stage:<graph>`, ...: calls of part of a family
+            self.per_call[key] = self.stage_prices.seconds(key)
+        return self.per_call[key]
+
+    def total(self, calls: Counter[str]) -> float:
+        return sum(n * self.seconds(f) for f, n in calls.items())
 
 
 def _progress(name: str, p: dict[str, Any]) -> str:
@@ -129,9 +131,7 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
             wall = time.perf_counter() - t - p.stats.prefill_seconds
             s = p.stats
             r = results[name]
-            phone = predictors["target"].seconds(s.target_calls)
-            if draft is not None and s.draft_calls:
-                phone += predictors["draft"].seconds(s.draft_calls)
+            phone = s.phone_seconds(predictors["target"], predictors.get("draft"))
             same = ref is None or out == ref
             if name == "ar":
                 ref = out

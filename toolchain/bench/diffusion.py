@@ -104,7 +104,7 @@ def bench(model: StepModel, configs: list[str], prompts: list[str], max_new_toke
             r.tokens += len(out)
             r.calls += calls
             r.seconds += wall
-            r.phone_s += predictor.seconds(pol.stats.target_calls)
+            r.phone_s += pol.stats.phone_seconds(predictor)
             ref = outs["dllm"]
             r.agree += sum(a == b for a, b in zip(out, ref, strict=False))
             base = CONFIGS[n][2]

@@ -9,13 +9,14 @@ Produces, from one run over the same prompts:
 - a PNG of expected tokens per cycle vs tree size (the builder's calibrated estimate, averaged
   over cycles) with the tokens observed per cycle at each chosen width.
 
-Phone time is priced per call key by lever_costs.PhonePrices (families, `body:`, `stage:`,
+Phone time is priced per call key by cost/prices.PhonePrices (families, `body:`, `stage:`,
 `head:`/`tail:` keys), target and draft under their own DRAM budgets; ahasd's phone time is a
-replay of its observed dependency order on two concurrent units.
+replay of its observed dependency order on two concurrent units (AhasdStats.phone_seconds).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +29,9 @@ import numpy as np
 from toolchain.cost.prices import PhonePrices
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
+from toolchain.runtime.policies.ahasd import AhasdStats
+from toolchain.runtime.policies.base import RunStats
+from toolchain.runtime.policies.lever import LeverStats
 
 
 @dataclass
@@ -42,16 +46,11 @@ class Run:
     identical: int = 0
     phone_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-    policies: list[Any] = field(default_factory=list)  # ahasd: per-prompt replay records
+    stats: list[RunStats] = field(default_factory=list)  # per prompt: re-priced by the DRAM sweep
 
-
-def _phone(run: Run, pol, t_price: PhonePrices, d_price: PhonePrices | None) -> float:
-    if hasattr(pol, "phone_seconds") and d_price is not None:
-        return pol.phone_seconds(t_price, d_price)
-    s = t_price.total(pol.stats.target_calls)
-    if d_price is not None and pol.stats.draft_calls:
-        s += d_price.total(pol.stats.draft_calls)
-    return s
+    def reprice(self, target: PhonePrices, draft: PhonePrices) -> float:
+        """Phone seconds of the recorded runs under other prices (another DRAM budget)."""
+        return sum(s.phone_seconds(target, draft) for s in self.stats)
 
 
 class LeverBench:
@@ -97,23 +96,22 @@ class LeverBench:
             r.target_calls.append(Counter(pol.stats.target_calls))
             r.draft_calls.append(Counter(pol.stats.draft_calls))
             r.accepted.extend(pol.stats.accepted)
-            r.phone_seconds += _phone(r, pol, tp, self.d_price)
-            if hasattr(pol, "ahasd"):
-                r.policies.append(_AhasdRecord(pol))
-                r.extra.setdefault("overlap", []).append(pol.ahasd.overlap)
-                r.extra.setdefault("pauses", []).append(pol.ahasd.pauses)
-            if hasattr(pol, "lever"):
-                lv = pol.lever
+            r.stats.append(copy.deepcopy(pol.stats))
+            r.phone_seconds += pol.stats.phone_seconds(tp, self.d_price)
+            st = pol.stats
+            if isinstance(st, AhasdStats):
+                r.extra.setdefault("overlap", []).append(st.overlap)
+                r.extra.setdefault("pauses", []).append(st.pauses)
+            if isinstance(st, LeverStats):
                 for k in ("tree_nodes", "expected_tokens", "curves", "draft_calls_per_cycle"):
-                    r.extra.setdefault(k, []).extend(getattr(lv, k))
-                r.extra.setdefault("widths", Counter()).update(lv.widths)
-                r.extra["logits_rows"] = r.extra.get("logits_rows", 0) + lv.logits_rows
-                r.extra["logits_rows_full"] = r.extra.get("logits_rows_full", 0) + lv.logits_rows_full
-                if hasattr(pol.verifier, "stats"):
-                    r.extra["prune"] = {k: r.extra.get("prune", {}).get(k, 0) + v for k, v in pol.verifier.stats.items()}
-                    pol.verifier.stats = dict.fromkeys(pol.verifier.stats, 0)
-                    fam, cut = max(pol.verifier.cut.items(), key=lambda kv: self.target.widths[kv[0]])
-                    r.extra["tail_key"] = f"tail:{fam}:{cut}"
+                    r.extra.setdefault(k, []).extend(getattr(st, k))
+                r.extra.setdefault("widths", Counter()).update(st.widths)
+                r.extra["logits_rows"] = r.extra.get("logits_rows", 0) + st.logits_rows
+                r.extra["logits_rows_full"] = r.extra.get("logits_rows_full", 0) + st.logits_rows_full
+                if st.prune is not None:
+                    before = r.extra.get("prune", {})
+                    r.extra["prune"] = {k: before.get(k, 0) + v for k, v in vars(st.prune).items()}
+                    r.extra["tail_key"] = st.prune_key
         if name == "ar" and self.ref is None:
             self.ref = r.outputs
         if self.ref is not None:
@@ -123,7 +121,7 @@ class LeverBench:
         return r
 
     def _signature(self, pol) -> str | None:
-        if not hasattr(pol, "lever"):
+        if not isinstance(pol.stats, LeverStats):
             return None
         v = pol.verifier
         import dataclasses
@@ -186,13 +184,8 @@ class LeverBench:
             per = {}
             for name in ("ar", "chain", "ahasd"):
                 r = self.runs.get(name)
-                if r is None:
-                    continue
-                if name == "ahasd":
-                    sec = sum(rec.replay(tp, self.d_price) for rec in r.policies)
-                else:
-                    sec = sum(tp.total(c) for c in r.target_calls) + sum(self.d_price.total(c) for c in r.draft_calls)
-                per[name] = sec / r.tokens
+                if r is not None:
+                    per[name] = r.reprice(tp, self.d_price) / r.tokens
             lv = self.run(lever_name, dram=b, label=f"{lever_name}@{b:g}") if b != self.target_dram \
                 else self.runs[lever_name]
             per[lever_name] = lv.phone_seconds / lv.tokens
@@ -229,21 +222,3 @@ class LeverBench:
         path.parent.mkdir(parents=True, exist_ok=True)
         return line_chart(path, series, f"{self.target.name} {lever_name} on {self.device}",
                           "tree size (nodes)", "tokens per cycle", marks=widths)
-
-
-class _AhasdRecord:
-    """What an ahasd run needs to be re-priced under another DRAM budget."""
-
-    def __init__(self, pol):
-        import copy
-
-        self.stats = copy.deepcopy(pol.ahasd)
-        self.run_stats = copy.deepcopy(pol.stats)
-        self.draft = pol.draft
-
-    def replay(self, t_price, d_price) -> float:
-        from toolchain.runtime.policies.ahasd import Ahasd
-
-        shim = Ahasd.__new__(Ahasd)
-        shim.ahasd, shim.stats, shim.draft = self.stats, self.run_stats, self.draft
-        return shim.phone_seconds(t_price, d_price)

@@ -131,6 +131,20 @@ def keep_set(tree: Tree, probs: np.ndarray, threshold: float) -> list[int]:
     return sorted(keep)
 
 
+@dataclass
+class PruneCounts:
+    """What pruning did over the verifier's calls (cumulative; subtract two to get one run's)."""
+
+    calls: int = 0  # tree verifications
+    pruned_calls: int = 0  # ... that ran the layers past the cut at a narrower width
+    nodes: int = 0  # tree nodes scored
+    kept: int = 0  # ... that were verified
+    tail_rows_saved: int = 0  # rows the layers past the cut did not compute
+
+    def __sub__(self, other: PruneCounts) -> PruneCounts:
+        return PruneCounts(**{k: getattr(self, k) - getattr(other, k) for k in vars(self)})
+
+
 class PrunedVerifier(TreeVerifier):
     def __init__(self, model: StepModel, spec: PredictorSpec, logits: str = "path"):
         super().__init__(model, logits=logits)
@@ -146,7 +160,7 @@ class PrunedVerifier(TreeVerifier):
             raise MobcError(
                 f"{model.name}: no tree graph is split at layer {spec.layer}; compile the target with "
                 f"split_layers: {{at: [{spec.layer}]}}")
-        self.stats = {"calls": 0, "pruned_calls": 0, "nodes": 0, "kept": 0, "tail_rows_saved": 0}
+        self.counts = PruneCounts()
 
     def verify(self, tree: Tree, sampler) -> VerifyResult:
         m = self.model
@@ -163,9 +177,9 @@ class PrunedVerifier(TreeVerifier):
         keep = keep_set(tree, score(self.spec, features(tree, residual, self.head)), self.spec.threshold)
         fits = [w for w in self.widths if w >= len(keep)]
         w2 = min(fits)
-        self.stats["calls"] += 1
-        self.stats["nodes"] += len(tree)
-        self.stats["kept"] += len(keep)
+        self.counts.calls += 1
+        self.counts.nodes += len(tree)
+        self.counts.kept += len(keep)
         if w2 >= width or self.widths[w2] not in self.cut:  # no narrower graph: verify everything
             sub, order, fam2, cut2, feeds2 = tree, list(range(len(tree))), fam, cut, {**feeds, **outs0}
         else:
@@ -176,8 +190,8 @@ class PrunedVerifier(TreeVerifier):
             r = np.zeros((1, w2, residual.shape[-1]), np.float32)
             r[0, : len(order)] = residual[order]
             feeds2[res_name] = r
-            self.stats["pruned_calls"] += 1
-            self.stats["tail_rows_saved"] += width - w2
+            self.counts.pruned_calls += 1
+            self.counts.tail_rows_saved += width - w2
         chain2 = m.sessions.chain(fam2)
         tail = [s for s in chain2 if s.stage >= cut2 and s.role != "lm_head"]
         outs1 = run_stages(m, tail, feeds2, key=f"tail:{fam2}:{cut2}")

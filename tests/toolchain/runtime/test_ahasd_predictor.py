@@ -39,7 +39,7 @@ def test_ahasd_is_lossless_and_joins_its_threads(tree_artifacts, draft_kind):
         ref = run(ar, ids, 24)
         assert run(pol, ids, 24) == ref, prompt
         assert not ahasd_threads() and pol.alive_threads == 0
-        st = pol.ahasd
+        st = pol.stats
         assert st.draft_busy and st.verify_busy and 0.0 <= st.overlap <= 1.0
         if draft_kind == "self":
             assert sum(pol.stats.accepted) > 0
@@ -103,8 +103,8 @@ def test_pruned_lever_is_lossless_and_uses_narrower_tails(tree_artifacts, tmp_pa
         out = run(lever, ids, 24)
         keys |= set(lever.stats.target_calls)
         assert out == run(ar, ids, 24), prompt
-    s = verifier.stats
-    assert s["pruned_calls"] > 0 and s["kept"] < s["nodes"] and s["tail_rows_saved"] > 0
+    s = verifier.counts
+    assert s.pruned_calls > 0 and s.kept < s.nodes and s.tail_rows_saved > 0
     # layers after the cut ran at a narrower compiled width than the layers before it
     heads = {k.split(":")[1] for k in keys if k.startswith("head:")}
     tails = {k.split(":")[1] for k in keys if k.startswith("tail:")}

@@ -16,7 +16,7 @@ rejection the drafter pauses until the next feedback instead of drafting look-ah
 likely be thrown away. Acceptance is the chain rule (accept_chain), so greedy output is ar's.
 
 `overlap` reports how much of the drafter's busy time ran while the verifier was busy;
-`phone_seconds` replays the observed dependency order with phone call latencies.
+`AhasdStats.phone_seconds` replays the observed dependency order with phone call latencies.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
-from toolchain.runtime.policies.base import Policy
+from toolchain.runtime.policies.base import Policy, Pricer, RunStats
 from toolchain.runtime.policies.sampling import Sampler, accept_chain
 from toolchain.runtime.spans import overlapped_seconds
 
@@ -74,7 +74,8 @@ class Feedback:
 
 
 @dataclass
-class AhasdStats:
+class AhasdStats(RunStats):
+    draft_family: str = ""  # the draft's decode graph, whose calls the replay prices
     draft_busy: list[tuple[float, float]] = field(default_factory=list)
     verify_busy: list[tuple[float, float]] = field(default_factory=list)
     pauses: int = 0  # times entropy-history control stopped look-ahead
@@ -94,6 +95,32 @@ class AhasdStats:
         busy = sum(b - a for a, b in self.draft_busy)
         return self.overlap_seconds / busy if busy else 0.0
 
+    def phone_seconds(self, target: Pricer, draft: Pricer | None = None) -> float:
+        """Replay the run's dependency order (which feedback each draft waited for, which drafts
+        each verification waited for) with phone latencies on two concurrent units."""
+        if draft is None:
+            return super().phone_seconds(target)
+        d_cost = draft.seconds(self.draft_family)
+        d_end: list[float] = []
+        v_end: list[float] = []
+        v_ends_sorted: list[float] = []
+        di = vi = 0
+        # merge by dependency: a draft needs v_end[fb-1]; a verify needs d_end[deps-1]
+        while di < len(self.draft_deps) or vi < len(self.verify_deps):
+            if vi < len(self.verify_deps) and self.verify_deps[vi] <= di:
+                start = max(v_end[-1] if v_end else 0.0, d_end[self.verify_deps[vi] - 1] if self.verify_deps[vi] else 0.0)
+                v_end.append(start + target.seconds(self.verify_keys[vi]))
+                v_ends_sorted.append(v_end[-1])
+                vi += 1
+            elif di < len(self.draft_deps) and self.draft_deps[di] <= vi:
+                fb = self.draft_deps[di]
+                start = max(d_end[-1] if d_end else 0.0, v_end[fb - 1] if fb else 0.0)
+                d_end.append(start + d_cost)
+                di += 1
+            else:  # inconsistent record (should not happen): fall back to serial time
+                return super().phone_seconds(target, draft)
+        return max(v_end[-1] if v_end else 0.0, 0.0)
+
 
 def _entropy(p: np.ndarray) -> float:
     nz = p[p > 0]
@@ -102,6 +129,8 @@ def _entropy(p: np.ndarray) -> float:
 
 class Ahasd(Policy):
     name = "ahasd"
+    stats_type = AhasdStats
+    stats: AhasdStats
 
     def __init__(self, target: StepModel, draft: StepModel | None = None, gamma: int = 4, max_lead: int = 12):
         if draft is None:
@@ -111,11 +140,10 @@ class Ahasd(Policy):
         self.max_lead = max_lead
         self.pht = EntropyHistory()
         target.family_for(gamma + 1)
-        self.ahasd = AhasdStats()
 
     # ---- drafter thread -----------------------------------------------------------------------
     def _drafter(self, start_pos: int, first: int, sampler: Sampler, stop: threading.Event) -> None:
-        d, st = self.draft, self.ahasd
+        d, st = self.draft, self.stats
         epoch, pos = 0, start_pos  # pos: the newest known token's position; the next draft is pos + 1
         seq = {start_pos: first}  # tokens by position from the draft cache's end on
         verified = start_pos - 1  # positions <= verified are committed
@@ -173,7 +201,7 @@ class Ahasd(Policy):
 
     # ---- verifier thread ----------------------------------------------------------------------
     def _verifier(self, first: int, pos: int, budget: int, sampler: Sampler, stop: threading.Event) -> None:
-        t, st = self.target, self.ahasd
+        t, st = self.target, self.stats
         base = pos
         committed = [first]  # committed[i] is the token at position base + i; the last is pending
         epoch, staged, n = 0, [], 0
@@ -247,7 +275,7 @@ class Ahasd(Policy):
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
         assert self.draft is not None
         self._start(prompt)
-        self.ahasd = AhasdStats()
+        self.stats.draft_family = self.draft.decode_family
         self.unverified: queue.Queue[Draft] = queue.Queue()
         self.feedback: queue.Queue[Feedback] = queue.Queue()
         self.out: queue.Queue[list[int] | None] = queue.Queue()
@@ -297,30 +325,6 @@ class Ahasd(Policy):
             if errors:
                 raise errors[0]
 
-    def phone_seconds(self, t_price, d_price) -> float:
-        """Replay the run's dependency order (which feedback each draft waited for, which drafts
-        each verification waited for) with phone latencies on two concurrent units."""
-        st = self.ahasd
-        d_cost = d_price.seconds(self.draft.decode_family)
-        d_end: list[float] = []
-        v_end: list[float] = []
-        v_ends_sorted: list[float] = []
-        di = vi = 0
-        # merge by dependency: a draft needs v_end[fb-1]; a verify needs d_end[deps-1]
-        while di < len(st.draft_deps) or vi < len(st.verify_deps):
-            if vi < len(st.verify_deps) and st.verify_deps[vi] <= di:
-                start = max(v_end[-1] if v_end else 0.0, d_end[st.verify_deps[vi] - 1] if st.verify_deps[vi] else 0.0)
-                v_end.append(start + t_price.seconds(st.verify_keys[vi]))
-                v_ends_sorted.append(v_end[-1])
-                vi += 1
-            elif di < len(st.draft_deps) and st.draft_deps[di] <= vi:
-                fb = st.draft_deps[di]
-                start = max(d_end[-1] if d_end else 0.0, v_end[fb - 1] if fb else 0.0)
-                d_end.append(start + d_cost)
-                di += 1
-            else:  # inconsistent record (should not happen): fall back to serial time
-                return t_price.total(self.stats.target_calls) + d_price.total(self.stats.draft_calls)
-        return max(v_end[-1] if v_end else 0.0, 0.0)
 
 
 def make(target: StepModel, draft: StepModel | None, gamma: int = 4, variant: str = "", **options) -> Policy:

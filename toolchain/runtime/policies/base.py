@@ -2,7 +2,9 @@
 
 A policy owns no cache of its own: it drives StepModels (target, and a draft if it has one),
 whose KV caches are the runtime's one cache manager. After `generate` is exhausted, `stats`
-says how many target/draft calls the tokens cost, which the bench reads.
+(a RunStats, or a policy's subclass of it with its own figures) says what the tokens cost; it
+is self-contained, so a bench keeps a copy per prompt and prices it again under another
+device or DRAM budget (`phone_seconds`) without the policy.
 """
 
 from __future__ import annotations
@@ -10,9 +12,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.sampling import Sampler
+
+
+class Pricer(Protocol):
+    """Predicted seconds of a model's recorded calls (toolchain/cost/prices.py)."""
+
+    def seconds(self, key: str) -> float: ...
+
+    def total(self, calls: Counter[str]) -> float: ...
 
 
 @dataclass
@@ -30,21 +41,29 @@ class RunStats:
     def n_target_calls(self) -> int:
         return sum(self.target_calls.values())
 
+    def phone_seconds(self, target: Pricer, draft: Pricer | None = None) -> float:
+        """Predicted decode time: every recorded call priced, target and draft one after the other."""
+        seconds = target.total(self.target_calls)
+        if draft is not None and self.draft_calls:
+            seconds += draft.total(self.draft_calls)
+        return seconds
+
 
 class Policy:
     name = "base"
+    stats_type: ClassVar[type[RunStats]] = RunStats
 
     def __init__(self, target: StepModel, draft: StepModel | None = None):
         self.target = target
         self.draft = draft
-        self.stats = RunStats()
+        self.stats = self.stats_type()
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
         raise NotImplementedError
 
     # ---- shared helpers ---------------------------------------------------------------------
     def _start(self, prompt: Sequence[int]) -> None:
-        self.stats = RunStats()
+        self.stats = self.stats_type()
         for m in self._models():
             m.reset()
 

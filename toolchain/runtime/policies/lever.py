@@ -13,10 +13,12 @@ the CPU then runs them) or this CPU's measured call times (`cost="cpu"`).
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,9 +26,12 @@ from toolchain.cost.prices import CpuPrices, PhonePrices, Prices
 from toolchain.errors import MobcError
 from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, top_candidates
 from toolchain.runtime.model import StepModel
-from toolchain.runtime.policies.base import Policy
+from toolchain.runtime.policies.base import Policy, RunStats
 from toolchain.runtime.policies.sampling import Sampler
 from toolchain.runtime.tree_exec import DraftTree, TreeVerifier
+
+if TYPE_CHECKING:
+    from toolchain.runtime.predictor import PruneCounts
 
 
 @dataclass
@@ -44,7 +49,7 @@ class LeverConfig:
 
 
 @dataclass
-class LeverStats:
+class LeverStats(RunStats):
     widths: Counter[int] = field(default_factory=Counter)  # verify width chosen per cycle
     tree_nodes: list[int] = field(default_factory=list)
     expected_tokens: list[float] = field(default_factory=list)  # builder's estimate per cycle
@@ -53,10 +58,14 @@ class LeverStats:
     logits_rows_full: int = 0  # rows a full lm_head would have computed
     pruned: list[tuple[int, int]] = field(default_factory=list)  # (nodes before, after) per cycle
     curves: list[np.ndarray] = field(default_factory=list)  # per cycle: 1 + cumsum of sorted pool gains
+    prune: PruneCounts | None = None  # with a pruning verifier: what it pruned in this run
+    prune_key: str | None = None  # the price key of the pruned layers past the cut (widest tree graph)
 
 
 class Lever(Policy):
     name = "lever"
+    stats_type = LeverStats
+    stats: LeverStats
 
     def __init__(self, target: StepModel, draft: StepModel | None = None, config: LeverConfig | None = None,
                  prices: tuple[Prices, Prices] | None = None, verifier: TreeVerifier | None = None):
@@ -75,7 +84,6 @@ class Lever(Policy):
         self.mean_emitted = 2.0  # running mean of tokens per cycle (prices path-only logits)
         self.builder = TreeBuilder(self._verify_costs(), self._draft_costs(), cfg.top_k, cfg.max_depth,
                                    Calibrator(top_k=cfg.top_k), cfg.batch, cfg.max_nodes)
-        self.lever = LeverStats()
 
     def _can_split(self) -> bool:
         return any(s.role == "lm_head" for s in self.target.sessions.chain(self.target.decode_family))
@@ -104,7 +112,7 @@ class Lever(Policy):
         assert self.draft is not None
         draft, target = self.draft, self.target
         self._start(prompt)
-        self.lever = LeverStats()
+        counts_before = copy.copy(getattr(self.verifier, "counts", None))
         self.builder.cycles = 0  # exploration schedule per generation (calibration carries over)
         pending = self._prefill(prompt, sampler)
         n = 1
@@ -155,6 +163,10 @@ class Lever(Policy):
                     return
         finally:
             self._finish()
+            if counts_before is not None:
+                self.stats.prune = self.verifier.counts - counts_before
+                fam, cut = max(self.verifier.cut.items(), key=lambda kv: target.widths[kv[0]])
+                self.stats.prune_key = f"tail:{fam}:{cut}"
 
     def _expander(self, drafter: DraftTree, todo: list[int], started: list[bool], sampler: Sampler):
         k = self.config.top_k + self.config.shadows
@@ -181,7 +193,7 @@ class Lever(Policy):
 
     def _record(self, res, vr, emitted: int) -> None:
         self.stats.accepted.append(vr.acceptance.accepted)
-        lv = self.lever
+        lv = self.stats
         lv.widths[vr.width] += 1
         lv.tree_nodes.append(len(res.tree))
         lv.expected_tokens.append(res.selection.expected_tokens)
