@@ -39,12 +39,13 @@ def train_cmd(
     seq_len: int = typer.Option(64, "--seq-len"),
 ) -> None:
     """Make a real PEFT LoRA adapter: a few fine-tuning steps on real text with PEFT itself."""
-    from toolchain.train.lora import LoraTrainConfig, stdlib_text, train_lora
+    from toolchain.train.corpus import module_text
+    from toolchain.train.lora import LoraTrainConfig, train_lora
 
     lm = load_source(artifact)
     cfg = LoraTrainConfig(rank=rank, alpha=2.0 * rank, targets=tuple(targets.split(",")), steps=steps, lr=lr,
                           seq_len=seq_len)
-    r = train_lora(lm.model, lm.tokenizer, stdlib_text(text), out, cfg, log=log)
+    r = train_lora(lm.model, lm.tokenizer, module_text(text), out, cfg, log=log)
     console.print(f"[bold green]trained[/] {out}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} in "
                   f"{r['steps']} steps ({r['seconds']:.0f} s)")
 

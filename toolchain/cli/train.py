@@ -153,4 +153,4 @@ def train_forecast_cmd(
     embeds, report = train_forecast(lm.model, lm.tokenizer, shapes[0][0], cfg, log=log, init=init)
     save_forecast(path, embeds, report)
     console.print(f"[bold green]forecast[/] {path}: m={report['m']}, {report['steps']} steps in {report['seconds']:.0f} s; "
-                  f"top-1 per slot {report['accuracy_before']} -> {report['accuracy_after']} (held-out os.py)")
+                  f"top-1 per slot {report['accuracy_before']} -> {report['accuracy_after']} (held-out stdlib files)")

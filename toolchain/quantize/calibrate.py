@@ -1,8 +1,8 @@
 """Calibration on real text, through the float step graphs with realistic cache contents.
 
-Text: the Python standard library's own source (ships with every Python, so nothing downloads).
-Calibration files and held-out files (perplexity) are disjoint lists, and both avoid os.py,
-which `verify` uses.
+Text: the Python standard library's own source (toolchain/train/corpus.py): calibration reads
+its calibration modules (train split), perplexity and sensitivity its evaluation modules
+(held-out split).
 
 Feeds: a calibration sample is one call of a family's step graph (N new tokens) against a KV
 cache filled by *running the float graphs* over the preceding text, at past lengths spread over
@@ -34,25 +34,17 @@ from onnxruntime.quantization.calibrate import (
 from toolchain.runtime.cache import KVCache
 from toolchain.runtime.greedy import family_by_role
 from toolchain.runtime.sessions import ArtifactSessions
+from toolchain.train import corpus
 
-STDLIB = Path(os.__file__).parent
-CALIBRATION_FILES = ("argparse.py", "typing.py", "inspect.py", "subprocess.py", "threading.py",
-                     "dataclasses.py", "pathlib.py", "logging/__init__.py", "tarfile.py", "enum.py")
-HELDOUT_FILES = ("textwrap.py", "difflib.py", "heapq.py", "fractions.py", "json/decoder.py",
-                 "shutil.py", "calendar.py", "bisect.py")
-assert not set(CALIBRATION_FILES) & set(HELDOUT_FILES)
 CACHE_DIR = Path(os.environ.get("MOBC_CACHE", Path.home() / ".cache" / "mobc")) / "calibration"
 CACHE_VERSION = 2  # 2: every window samples past 0
 
 
-def corpus_text(files: tuple[str, ...]) -> str:
-    return "\n\n".join((STDLIB / f).read_text() for f in files if (STDLIB / f).is_file())
-
-
 def corpus_tokens(tokenizer: Any, split: str, n_tokens: int, text: str | None = None) -> list[int]:
-    """The first n_tokens of the calibration or held-out text (or of `text` when given)."""
+    """The first n_tokens of the calibration text (train split) or of the evaluation text (held-out
+    split), or of `text` when given."""
     if text is None:
-        text = corpus_text(CALIBRATION_FILES if split == "calibration" else HELDOUT_FILES)
+        text = corpus.named_text(corpus.CALIBRATION_FILES if split == "calibration" else corpus.EVALUATION_FILES)
     ids: list[int] = []
     # tokenize file-sized pieces so we never tokenize megabytes to keep a few thousand tokens
     for piece in text.split("\n\n\n"):

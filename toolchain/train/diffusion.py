@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from toolchain.diffusion.form import DiffusionForm, write_form
 from toolchain.diffusion.reference import block_mask, sample_generations
 from toolchain.errors import MobcError
+from toolchain.train import corpus
 from toolchain.train.loop import timed_adamw_loop
 
 # An existing special token that never occurs in source code: reused as [MASK] so the
@@ -197,7 +198,6 @@ def train_diffusion(recipe_path: Path, out_dir: Path, cfg: DiffusionTrainConfig,
     """Load the recipe's AR model (or continue `init`), adapt it, save it with its marker and a report."""
     from toolchain.compile.recipe import load_recipe
     from toolchain.compile.source import load
-    from toolchain.train.draft import corpus
 
     t_start = time.perf_counter()
     recipe = load_recipe(recipe_path)
@@ -213,9 +213,9 @@ def train_diffusion(recipe_path: Path, out_dir: Path, cfg: DiffusionTrainConfig,
         raise DiffusionTrainError(f"--mask-token {cfg.mask_token!r} is not a token of {recipe.name}'s vocabulary")
     # sdpa is much faster than eager for training and honours the same additive 4-D mask
     model.config._attn_implementation = "sdpa"
-    # the train/held-out split is fixed (seed 0) so a continued run (--init, another --seed) never trains on
-    # the files an earlier run held out; cfg.seed only changes which windows and masks are drawn
-    train, held = corpus(tok, cfg.corpus_tokens, cfg.eval_tokens, 0)
+    # the train/held-out split is the corpus's own (never a seed), so a continued run (--init, another
+    # --seed) never trains on the files an earlier run held out; cfg.seed only draws windows and masks
+    train, held = corpus.train_and_held_out(tok, cfg.corpus_tokens, cfg.eval_tokens)
     log(f"corpus: {len(train):,} training / {len(held):,} held-out tokens of stdlib source; mask token "
         f"{cfg.mask_token!r} (id {mask_id})")
     mask_emb = torch.nn.Parameter(model.model.embed_tokens.weight[mask_id].detach().clone())

@@ -5,14 +5,13 @@ cache, so the embeddings learn exactly the computation the compiled graph does. 
 sequence is T real tokens followed by A sets of m forecast rows: set s hangs after anchor
 token j_s (sees tokens 0..j_s and its own earlier forecast rows, at positions j_s+1..j_s+m) and
 row i learns the token i+2 steps after j_s (the token after the one row j_s itself predicts).
-Only the m vectors get gradients. Text: the standard library's sources, os.py held out for
-evaluation (the same real text verification uses).
+Only the m vectors get gradients. Text: the corpus's train split (toolchain/train/corpus.py);
+accuracy is measured on its held-out split.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch
 
 from toolchain.artifact.layout import MASK_MIN
 from toolchain.compile.capture import ATTENTION_NAME, StepGraph, layout_for, rope_tables
+from toolchain.train import corpus
 
 
 @dataclass
@@ -34,12 +34,8 @@ class ForecastConfig:
     lr: float = 1e-2
     seed: int = 0
     max_steps: int = 10_000
-
-
-def stdlib_corpus(exclude: tuple[str, ...] = ("os.py",), limit: int = 60) -> str:
-    root = Path(os.__file__).parent
-    files = sorted(p for p in root.glob("*.py") if p.name not in exclude)[:limit]
-    return "\n".join(p.read_text(errors="replace") for p in files)
+    train_tokens: int = 262_144  # stdlib train-split tokens the windows are drawn from
+    eval_tokens: int = 32_768  # held-out tokens the accuracy is measured on
 
 
 class _Forecaster:
@@ -118,8 +114,8 @@ def train_forecast(model: Any, tokenizer: Any, m: int, cfg: ForecastConfig,
     gen = torch.Generator().manual_seed(cfg.seed)
     for p in model.parameters():
         p.requires_grad_(False)
-    ids = torch.tensor(tokenizer(stdlib_corpus()).input_ids)
-    held = torch.tensor(tokenizer(Path(os.__file__).read_text()).input_ids)
+    ids = torch.from_numpy(corpus.tokens(tokenizer, "train", cfg.train_tokens, seed=cfg.seed))
+    held = torch.from_numpy(corpus.tokens(tokenizer, "held_out", cfg.eval_tokens))
     fc = _Forecaster(model, m, cfg, init)
     step_graph = StepGraph(model, fc.layout)
     assert model.config._attn_implementation == ATTENTION_NAME

@@ -8,7 +8,6 @@ changes the model's outputs measurably, not a good fine-tune.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,18 +29,6 @@ class LoraTrainConfig:
     batch: int = 2
     lr: float = 2e-3
     seed: int = 0
-
-
-def stdlib_text(name: str) -> str:
-    """A standard-library module's source by dotted name ('textwrap', 'pydoc_data.topics'), or a file path."""
-    p = Path(name)
-    if p.is_file():
-        return p.read_text(errors="replace")
-    stdlib = Path(os.__file__).parent
-    cand = stdlib / (name.replace(".", "/") + ".py")
-    if not cand.is_file():
-        raise MobcError(f"text {name!r}: neither a file nor a standard-library module; give a path or e.g. textwrap")
-    return cand.read_text(errors="replace")
 
 
 def _batches(ids: torch.Tensor, cfg: LoraTrainConfig, gen: torch.Generator):
