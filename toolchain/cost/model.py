@@ -14,7 +14,7 @@ prefetching (0 = Lever's Flash-AR baseline: layers stream synchronously every ca
 Streamed bytes are counted in DRAM too: the NPU reads them from the staging buffer the
 flash DMA wrote. The DRAM budget decides which layers are resident: shared (non-layer)
 weights first because every call needs them, then decoder layers in index order, whole
-layers only. Numbers live in toolchain/data/devices.yaml (with sources); a measured
+layers only. Numbers live in toolchain/cost/devices.yaml (with sources); a measured
 profile YAML (`base: <device>` plus fields) overrides them.
 """
 
@@ -84,7 +84,7 @@ _FIELDS = {f.name for f in fields(DeviceProfile)}
 
 
 def _builtin() -> dict[str, dict[str, Any]]:
-    text = resources.files("toolchain").joinpath("data/devices.yaml").read_text()
+    text = resources.files("toolchain.cost").joinpath("devices.yaml").read_text()
     return yaml.safe_load(text)["devices"]
 
 

@@ -8,7 +8,6 @@ Passes that add nodes keep the module-path prefix of the node they replace, so l
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
@@ -154,10 +153,6 @@ def shape_of(value: ir.Value) -> list[int]:
 
 def remove_unused(model: ir.Model) -> None:
     RemoveUnusedNodesPass()(model)
-
-
-def op_counts(model: ir.Model) -> Counter[str]:
-    return Counter(n.op_type for n in model.graph)
 
 
 def weight_bytes(model: ir.Model) -> int:

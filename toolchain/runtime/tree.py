@@ -117,10 +117,6 @@ class Acceptance:
         """Draft tokens accepted (the root is not a draft)."""
         return len(self.path) - 1
 
-    @property
-    def tokens_emitted(self) -> int:
-        return len(self.path)
-
 
 def accept_greedy(tree: Tree, row: RowFn) -> Acceptance:
     """Longest path whose every token equals the target's argmax at its parent."""
@@ -162,8 +158,3 @@ def accept_sampled(tree: Tree, row: RowFn, sampler: Sampler) -> Acceptance:
 
 def accept(tree: Tree, row: RowFn, sampler: Sampler) -> Acceptance:
     return accept_greedy(tree, row) if sampler.greedy else accept_sampled(tree, row, sampler)
-
-
-def verify_inputs(tree: Tree) -> tuple[list[int], np.ndarray, list[int]]:
-    """(tokens, allowed_new mask, depths) of a verify call over the whole tree."""
-    return list(tree.tokens), tree.ancestor_mask(), list(tree.depths)
