@@ -44,9 +44,11 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 def _imports(module: str, tree: ast.Module, top_level_only: bool) -> list[tuple[str, list[str], int]]:
     """(imported module, names taken from it, line) for each import; top_level_only skips imports
     inside functions (deferred ones, which run only when called)."""
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for n in ast.walk(block)}  # imports for annotations only never run
     nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # imports under `if TYPE_CHECKING:` never run
-        nodes = [n for n in nodes if not isinstance(n, ast.If)]
+    nodes = [n for n in nodes if id(n) not in typing_only]
     out = []
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -127,7 +129,9 @@ LAYERS = {
     "toolchain.errors": set(),
     "toolchain.artifact": {"toolchain.errors"},
     "toolchain.runtime": {"toolchain.errors", "toolchain.artifact", "toolchain.cost", "toolchain.qnn"},
-    "toolchain.cost": {"toolchain.errors", "toolchain.artifact", "toolchain.runtime"},
+    "toolchain.cost": {"toolchain.errors", "toolchain.artifact"},
+    "toolchain.ir": {"toolchain.errors", "toolchain.artifact"},
+    "passes": {"toolchain.errors", "toolchain.artifact", "toolchain.ir"},
 }
 
 

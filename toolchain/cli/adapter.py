@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
-from toolchain.cli.common import console, load_source, log
+from toolchain.cli.common import console, load_source, log, write_json
 from toolchain.compile.report import rich_table
 
 app = typer.Typer(no_args_is_help=True, help="LoRA adapters for artifacts compiled with lora_inputs.")
@@ -69,8 +68,7 @@ def verify_cmd(
              str(r["greedy_identical"])] for r in res["rows"]]
     title = f"{res['artifact']}: adapters vs PEFT on {res['tokens']} tokens of real text"
     console.print(rich_table(title, (head, body), numeric=True))
-    if json_out:
-        json_out.write_text(json.dumps(res, indent=1))
+    write_json(json_out, res)
 
 
 @app.command("qnn")

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from toolchain.cli.common import EP_OPTION, PROVIDER, THREADS, console, err, fmt, load_models, log, print_rows
+from toolchain.cli.common import (
+    EP_OPTION,
+    PROVIDER,
+    THREADS,
+    console,
+    err,
+    fmt,
+    load_models,
+    log,
+    print_rows,
+    write_json,
+)
 from toolchain.errors import MobcError
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables (and write JSON).")
@@ -82,9 +92,7 @@ def bench_decode(
         bad = [r["policy"] for r in res["rows"] if r["identical_to_ar"] != res["prompts"]]
         console.print("[green]greedy: every policy reproduces ar token for token on every prompt[/]" if not bad
                       else f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
-    if json_out:
-        json_out.write_text(json.dumps(res, indent=1))
-        console.print(f"wrote {json_out}")
+    write_json(json_out, res)
 
 
 @app.command("lever")
@@ -155,10 +163,7 @@ def bench_lever(
     bad = [r["policy"] for r in main if r["identical_to_ar"] != r["prompts"]]
     console.print("[green]greedy: every policy reproduces ar on every prompt[/]" if not bad
                   else f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=1, default=str))
-        console.print(f"wrote {json_out}")
+    write_json(json_out, res)
 
 
 @app.command("diffusion")
@@ -221,9 +226,7 @@ def bench_diffusion(
     bad = [r["policy"] for r in res["rows"] if r["equals_rule_baseline"] not in (None, f"{res['prompts']}/{res['prompts']}")]
     if bad:
         console.print(f"[red]speculation off differs from its baseline: {', '.join(bad)}[/]")
-    if json_out:
-        json_out.write_text(json.dumps(res, indent=1))
-        console.print(f"wrote {json_out}")
+    write_json(json_out, res)
 
 
 @app.command("ctg")
@@ -258,8 +261,7 @@ def bench_ctg_cmd(
                   str(sum(r["ctg_calls"] for r in rows)), f"{res['ratio_decode']:.2f}x", f"{res['ratio_end_to_end']:.2f}x",
                   f"{res['phone_ms_per_token_ctg']:.2f}", f"{res['identical_styles']}/{res['total_styles']}")
     console.print(table)
-    if json_out:
-        json_out.write_text(json.dumps(res, indent=1))
+    write_json(json_out, res)
 
 
 @app.command("ds2d")
@@ -288,5 +290,4 @@ def bench_ds2d_cmd(
                   f"{res['tokens_per_call']:.2f}", f"{res['speedup']:.2f}x", f"{res['phone_ms_per_token_ds2d']:.2f}",
                   f"{res['identical']}/{res['prompts']}")
     console.print(table)
-    if json_out:
-        json_out.write_text(json.dumps(res, indent=1))
+    write_json(json_out, res)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,3 +77,12 @@ def print_rows(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -
             cells.append(fmt(r.get(key), spec.rstrip("x")) + ("x" if ratio else ""))
         t.add_row(*cells)
     console.print(t)
+
+
+def write_json(path: Path | None, data: Any) -> None:
+    """--json PATH: every number and token of a command's results, for scripts and plots."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))
+    console.print(f"wrote {path}")

@@ -35,20 +35,17 @@ def run(
 
     target, drafter = load_models(artifact, draft, provider, threads, ep_option)
     options = {}
-    if adapter or policy in ("ctg", "ds2d"):  # issue 7: adapters bound per request, ctg styles, ds2d forecasts
-        
+    if adapter or policy in ("ctg", "ds2d"):  # adapters bound per request, ctg styles, ds2d forecasts
         options = policy_options(target, policy, adapter, forecast)
     pol = make_policy(policy, target, drafter, gamma=gamma, **options)
     tok = target.tokenizer
     if chat:
         if not target.manifest.model.has_chat_template:
             raise MobcError(f"{target.name} has no chat template; drop --chat")
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = tok(prompt).input_ids
         if policy == "ctg":  # K styles: printed one after another, not streamed
-            
             return print_styles(pol, ids, prompt, max_new_tokens, Sampler(temperature, seed))
         sys.stdout.write(prompt)
     out: list[int] = []
@@ -71,7 +68,7 @@ def run(
 
 
 def policy_options(model: Any, policy: str, adapters: list[str], forecast: Path | None) -> dict[str, Any]:
-    """`mobc run` options of issue 7: ctg gets its styles; other policies get the adapter bound to every row."""
+    """`mobc run` options for LoRA artifacts: ctg gets its styles; other policies get the adapter bound to every row."""
     from toolchain.runtime.adapters import resolve_adapter
     from toolchain.runtime.policies.ctg import bind_adapters
     from toolchain.runtime.policies.ds2d import load_forecast

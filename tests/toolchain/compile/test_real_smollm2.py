@@ -9,7 +9,7 @@ from toolchain.compile.pipeline import compile_recipe
 
 pytestmark = pytest.mark.real
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "smollm2-135m.yaml"
 
 
 def test_smollm2_recipe_compiles_and_verifies(tmp_path):
@@ -27,3 +27,12 @@ def test_smollm2_recipe_compiles_and_verifies(tmp_path):
     assert greedy["identical"] and greedy["tokens"] == 32
     # the real model's 538 MB of float weights are stored once for both widths
     assert m["weights"]["bytes"] < 600e6
+    # the runtime's own tokenizer renders the chat template: the instruct model answers
+    from typer.testing import CliRunner
+
+    from toolchain.cli.main import app
+
+    run = CliRunner().invoke(app, ["run", str(result.out_dir), "--chat", "--max-new-tokens", "12",
+                                   "--prompt", "What is the capital of France?"])
+    assert run.exit_code == 0, run.output
+    assert "Paris" in run.output

@@ -17,7 +17,7 @@ from toolchain.runtime.policies.llada import LLaDA  # noqa: E402
 POLICIES.update({"dllm": DiffusionPolicy, "fastdllm": FastDLLM, "llada": LLaDA})
 # tree and asynchronous policies register themselves here (imported lazily: they pull in more)
 LAZY_POLICIES = {"lever": "toolchain.runtime.policies.lever:make", "ahasd": "toolchain.runtime.policies.ahasd:make"}
-# LoRA styles and DS2D self-speculation (issue 7): artifacts compiled with lora_inputs / forecast_inputs
+# LoRA styles and DS2D self-speculation: artifacts compiled with lora_inputs / forecast_inputs
 LAZY_POLICIES.update({"ctg": "toolchain.runtime.policies.ctg:make", "ds2d": "toolchain.runtime.policies.ds2d:make"})
 
 
