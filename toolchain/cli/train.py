@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -46,7 +47,7 @@ def train_draft(
         target = load_recipe(recipe)
         graphs = "\n".join(f"  {n}: {{width: {g.width}, context: {g.context}}}" for n, g in target.graphs.items()
                            if n in ("decode", "prefill"))
-        rel = Path(__import__("os").path.relpath(out.resolve(), recipe_out.resolve().parent))
+        rel = Path(os.path.relpath(out.resolve(), recipe_out.resolve().parent))
         recipe_out.write_text(
             f"# Draft for {target.name}, made by `mobc train draft` (layers {report['config']['layers']}).\n"
             f"name: {target.name}-draft\nsource: {{path: {rel}}}\ngraphs:\n{graphs}\n"
