@@ -49,7 +49,7 @@ class Predictor:
     costs: dict[str, GraphCost]
     model: CostModel
     per_call: dict[str, float] = field(default_factory=dict)
-    stage_prices: Any = None  # prices keys of single stages (tree policies); see lever_costs.py
+    stage_prices: Any = None  # prices keys of single stages (tree policies); see cost/prices.py
 
     @classmethod
     def build(cls, sm: StepModel, device: str, dram_budget: float) -> Predictor:

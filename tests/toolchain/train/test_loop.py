@@ -39,7 +39,7 @@ def test_loop_matches_the_hand_written_loop_step_for_step():
     assert lines[0].startswith("step 3: MSE ") and len(lines) == res.steps // 3
     assert res.first(2) == sum(res.losses[:2]) / 2 and res.last(1) == res.losses[-1]
 
-    ref, _, _ = _problem()  # the loop diffusion/train.py and draft_train.py had, for as many steps
+    ref, _, _ = _problem()  # the loop train/diffusion.py and train/draft.py had, for as many steps
     ref_params = list(ref.parameters())
     opt = torch.optim.AdamW(ref_params, lr=0.1, weight_decay=0.0)
     for step in range(res.steps):
