@@ -40,13 +40,9 @@ class Stage(Protocol):
 S = TypeVar("S", bound=Stage)
 
 
-def is_optional(name: str) -> bool:
-    return name.startswith(OPTIONAL_INPUT_PREFIXES)
-
-
 def optional_zeros(stage: Stage, name: str) -> np.ndarray | None:
     """Zeros for an optional input of a stage (its neutral value), else None."""
-    if not is_optional(name):
+    if not name.startswith(OPTIONAL_INPUT_PREFIXES):
         return None
     shape, dtype = stage.input_shape(name)
     return np.zeros(shape, np.dtype(dtype))

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from toolchain.artifact.layout import StepLayout
 from toolchain.errors import ArtifactError
 
@@ -34,11 +36,20 @@ def sha256_path(path: Path) -> str:
     return h.hexdigest()
 
 
+# manifest dtype names (onnx_ir's, lower case) -> numpy; anything else runs as float32
+_NUMPY_DTYPES = {"float": np.float32, "float32": np.float32, "float16": np.float16, "int32": np.int32,
+                 "int64": np.int64, "int8": np.int8, "uint8": np.uint8, "uint16": np.uint16, "int16": np.int16}
+
+
 @dataclass
 class IOSpec:
     name: str
     shape: list[int | str]
     dtype: str
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(_NUMPY_DTYPES.get(self.dtype, np.float32))
 
 
 @dataclass
@@ -74,7 +85,7 @@ class GraphRecord:
 
     def input_shape(self, name: str) -> tuple[list[int], str]:
         spec = next(i for i in self.inputs if i.name == name)
-        return [int(d) for d in spec.shape], ("float32" if spec.dtype == "float" else spec.dtype)
+        return [int(d) for d in spec.shape], str(spec.numpy_dtype)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GraphRecord:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from toolchain.artifact.chain import is_optional
+from toolchain.artifact.chain import optional_zeros
 from toolchain.errors import ArtifactError
 from toolchain.runtime.cache import KVCache
 from toolchain.runtime.sessions import ArtifactSessions, BoundFamily
@@ -103,8 +103,8 @@ class StepModel:
             arrays: dict[str, np.ndarray] = {}
             for stage in self.sessions.chain(family):
                 for name in stage.input_names:
-                    if is_optional(name) and name not in arrays:
-                        arrays[name] = np.zeros(stage.input_shape(name)[0], np.float32)
+                    if name not in arrays and (zeros := optional_zeros(stage, name)) is not None:
+                        arrays[name] = zeros
             self._extra[family] = arrays
         return self._extra[family]
 

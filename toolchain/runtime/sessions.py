@@ -77,10 +77,6 @@ class ArtifactSessions:
         return BoundFamily(self, family, inputs)
 
 
-NUMPY_DTYPES = {"float": np.float32, "float32": np.float32, "float16": np.float16, "int32": np.int32,
-                "int64": np.int64, "int8": np.int8, "uint8": np.uint8, "uint16": np.uint16, "int16": np.int16}
-
-
 class BoundFamily:
     """A family's stage chain with every input and output bound to a fixed numpy array.
 
@@ -107,7 +103,7 @@ class BoundFamily:
                 binding.bind_cpu_input(name, arr)
                 consumed.add(name)
             for out in stage.outputs:
-                arr = np.zeros([int(d) for d in out.shape], NUMPY_DTYPES.get(out.dtype, np.float32))
+                arr = np.zeros([int(d) for d in out.shape], out.numpy_dtype)
                 self.outputs[out.name] = arr
                 binding.bind_ortvalue_output(out.name, ort.OrtValue.ortvalue_from_numpy(arr))
             self._runs.append((sess, binding))
