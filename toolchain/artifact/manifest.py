@@ -95,6 +95,11 @@ class GraphRecord:
         return cls(**d)
 
 
+# what a ModelInfo shares with every StepLayout of its artifact (the rest of a layout is its width)
+LAYOUT_FIELDS = ("n_layers", "n_heads", "n_kv", "head_dim", "hidden", "vocab", "layer_kinds", "rope_per_kind",
+                 "sliding_window")
+
+
 @dataclass
 class ModelInfo:
     """The source model's shape and tokens: what every step graph of the artifact shares."""
@@ -117,11 +122,14 @@ class ModelInfo:
     diffusion: dict[str, Any] | None = None  # masked-diffusion form (toolchain/diffusion/form.py)
 
     def layout(self, width: int, context: int) -> StepLayout:
-        return StepLayout(
-            width=width, context=context, n_layers=self.n_layers, n_heads=self.n_heads, n_kv=self.n_kv,
-            head_dim=self.head_dim, hidden=self.hidden, vocab=self.vocab, layer_kinds=tuple(self.layer_kinds),
-            rope_per_kind=self.rope_per_kind, sliding_window=self.sliding_window,
-        )
+        shape = {f: getattr(self, f) for f in LAYOUT_FIELDS}
+        return StepLayout(width=width, context=context, **{**shape, "layer_kinds": tuple(self.layer_kinds)})
+
+    @classmethod
+    def from_layout(cls, layout: StepLayout, **details: Any) -> ModelInfo:
+        """The shape every width shares, taken from one of its layouts, plus the model's details."""
+        shape = {f: getattr(layout, f) for f in LAYOUT_FIELDS}
+        return cls(**{**shape, "layer_kinds": list(layout.layer_kinds)}, **details)
 
 
 @dataclass

@@ -75,11 +75,8 @@ def tool_versions() -> dict[str, str]:
 
 def model_record(loaded: LoadedModel, layout: StepLayout) -> ModelInfo:
     cfg = loaded.config
-    return ModelInfo(
-        family=cfg.model_type, n_layers=layout.n_layers, n_heads=layout.n_heads, n_kv=layout.n_kv,
-        head_dim=layout.head_dim, hidden=layout.hidden, vocab=layout.vocab, layer_kinds=list(layout.layer_kinds),
-        rope_per_kind=layout.rope_per_kind, sliding_window=layout.sliding_window,
-        max_position_embeddings=cfg.max_position_embeddings, eos_token_ids=eos_ids(cfg),
+    return ModelInfo.from_layout(
+        layout, family=cfg.model_type, max_position_embeddings=cfg.max_position_embeddings, eos_token_ids=eos_ids(cfg),
         bos_token_id=getattr(cfg, "bos_token_id", None),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         has_chat_template=bool(getattr(loaded.tokenizer, "chat_template", None)),
