@@ -40,13 +40,19 @@ class Run:
     outputs: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
     tokens: int = 0
-    target_calls: list[Counter] = field(default_factory=list)
-    draft_calls: list[Counter] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
     identical: int = 0
     phone_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-    stats: list[RunStats] = field(default_factory=list)  # per prompt: re-priced by the DRAM sweep
+    stats: list[RunStats] = field(default_factory=list)  # per prompt: calls, acceptance; re-priced by the sweep
+
+    @property
+    def accepted(self) -> list[int]:
+        """Drafts accepted per verify call, over every prompt."""
+        return [k for s in self.stats for k in s.accepted]
+
+    @property
+    def target_calls(self) -> int:
+        return sum(s.n_target_calls for s in self.stats)
 
     def reprice(self, target: PhonePrices, draft: PhonePrices) -> float:
         """Phone seconds of the recorded runs under other prices (another DRAM budget)."""
@@ -93,9 +99,6 @@ class LeverBench:
             r.seconds += time.perf_counter() - t - pol.stats.prefill_seconds
             r.outputs.append(out)
             r.tokens += len(out)
-            r.target_calls.append(Counter(pol.stats.target_calls))
-            r.draft_calls.append(Counter(pol.stats.draft_calls))
-            r.accepted.extend(pol.stats.accepted)
             r.stats.append(copy.deepcopy(pol.stats))
             r.phone_seconds += pol.stats.phone_seconds(tp, self.d_price)
             st = pol.stats
@@ -133,7 +136,7 @@ class LeverBench:
 
     # ---- tables -------------------------------------------------------------------------------
     def row(self, r: Run, base: Run, chain: Run | None) -> dict[str, Any]:
-        calls = sum(sum(c.values()) for c in r.target_calls)
+        calls = r.target_calls
         verify = len(r.accepted)
         out = {
             "policy": r.name, "tokens": r.tokens, "tokens_per_s_cpu": r.tokens / r.seconds if r.seconds else None,
