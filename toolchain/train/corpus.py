@@ -18,6 +18,7 @@ import hashlib
 import random
 import sysconfig
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,12 +50,20 @@ def split_of(path: Path) -> Split:
     return "held_out" if digest[0] % HELD_OUT_ONE_IN == 0 else "train"
 
 
+@cache
+def _by_split() -> dict[Split, tuple[Path, ...]]:
+    """Every corpus file of the library, sorted, by split (walked and hashed once per process)."""
+    out: dict[Split, list[Path]] = {"train": [], "held_out": []}
+    for p in sorted(STDLIB.rglob("*.py")):
+        rel = p.relative_to(STDLIB)
+        if not _SKIP_DIRS.intersection(rel.parts) and rel.as_posix() != VERIFICATION_FILE:
+            out[split_of(p)].append(p)
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def files(split: Split, seed: int | None = None) -> list[Path]:
     """The split's source files: sorted, or in a seeded random order."""
-    every = sorted(p for p in STDLIB.rglob("*.py")
-                   if not _SKIP_DIRS.intersection(p.relative_to(STDLIB).parts) and p.name != VERIFICATION_FILE
-                   and p.relative_to(STDLIB).as_posix() != VERIFICATION_FILE)
-    chosen = [p for p in every if split_of(p) == split]
+    chosen = list(_by_split()[split])
     if seed is not None:
         random.Random(seed).shuffle(chosen)
     return chosen
