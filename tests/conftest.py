@@ -5,10 +5,6 @@ import tempfile
 
 import pytest
 
-from tests import lora_tiny
-from tests.passes.tiny import ARCHS
-from tests.tiny import save_tiny, write_recipe
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_mobc_cache():
@@ -25,14 +21,11 @@ def _private_mobc_cache():
             os.environ["MOBC_CACHE"] = old
 
 
-@pytest.fixture(params=ARCHS)
-def arch(request) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="session")
 def lora_artifact(tmp_path_factory):
     """(artifact folder, source model folder): tiny llama with mha_to_sha + lora_inputs + forecast_inputs."""
+    from tests import lora_tiny
+    from tests.tiny import save_tiny, write_recipe
     from toolchain.compile.pipeline import compile_recipe
 
     tmp = tmp_path_factory.mktemp("lora_rt")
@@ -48,6 +41,7 @@ TREE_GRAPHS = "  tree4: {width: 4, context: 64, role: tree}\n  tree8: {width: 8,
 @pytest.fixture(scope="session")
 def tree_artifacts(tmp_path_factory):
     """(target, draft) folders: the target has tree widths 4/8, its lm_head split off and a cut at layer 1."""
+    from tests.tiny import save_tiny, write_recipe
     from toolchain.compile.pipeline import compile_recipe
 
     root = tmp_path_factory.mktemp("tree_policies")
