@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from toolchain.artifact import chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.errors import ArtifactError
 
@@ -155,17 +156,11 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)  # sha256 of every other file
 
     # ---- graphs as chains -----------------------------------------------------------------
-    def graph(self, name: str) -> GraphRecord:
-        for g in self.graphs:
-            if g.name == name:
-                return g
-        raise ArtifactError(f"{self.name} has no graph {name!r} (graphs: {', '.join(g.name for g in self.graphs)})")
-
     def families(self) -> list[str]:
-        return list(dict.fromkeys(g.family for g in self.graphs))
+        return chain.families(self.graphs)
 
     def chain(self, family: str) -> list[GraphRecord]:
-        return sorted((g for g in self.graphs if g.family == family), key=lambda g: g.stage)
+        return chain.order(self.graphs, family)
 
     # ---- json -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from toolchain.artifact.chain import families, order, run_chain
+from toolchain.artifact.chain import run_chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
 
@@ -47,10 +47,10 @@ class ArtifactSessions:
         return self.manifest.model.layout(first.width, first.context)
 
     def families(self) -> list[str]:
-        return families(list(self.stages.values()))
+        return self.manifest.families()
 
     def chain(self, family: str) -> list[GraphRecord]:
-        return order(list(self.stages.values()), family)
+        return self.manifest.chain(family)
 
     def session(self, name: str) -> ort.InferenceSession:
         if name not in self._sessions:

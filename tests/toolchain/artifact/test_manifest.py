@@ -32,7 +32,8 @@ def test_round_trip_and_checksums(tmp_path):
     back = Manifest.load(tmp_path)
     assert back == m and set(back.files) == {"weights.bin"}
     assert [g.name for g in back.chain("decode")] == ["decode", "decode_lm_head"]
-    assert back.graph("decode").input_shape("lora_rows") == ([1, 1, 4], "float32")
+    decode = back.chain("decode")[0]
+    assert decode.input_shape("lora_rows") == ([1, 1, 4], "float32")
     layout = back.model.layout(width=4, context=32)
     assert layout.rope_kinds == ["full", "sliding"] and layout.inputs()[1][0] == "attention_mask"
     assert back.changed_files(tmp_path) == []
