@@ -103,14 +103,12 @@ class AhasdStats(RunStats):
         d_cost = draft.seconds(self.draft_family)
         d_end: list[float] = []
         v_end: list[float] = []
-        v_ends_sorted: list[float] = []
         di = vi = 0
         # merge by dependency: a draft needs v_end[fb-1]; a verify needs d_end[deps-1]
         while di < len(self.draft_deps) or vi < len(self.verify_deps):
             if vi < len(self.verify_deps) and self.verify_deps[vi] <= di:
                 start = max(v_end[-1] if v_end else 0.0, d_end[self.verify_deps[vi] - 1] if self.verify_deps[vi] else 0.0)
                 v_end.append(start + target.seconds(self.verify_keys[vi]))
-                v_ends_sorted.append(v_end[-1])
                 vi += 1
             elif di < len(self.draft_deps) and self.draft_deps[di] <= vi:
                 fb = self.draft_deps[di]
