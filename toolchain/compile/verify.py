@@ -112,23 +112,43 @@ def reference_case(model: Any, tokens: list[int], layout: StepLayout, rope: dict
 
 
 def compare(outputs: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> dict[str, Any]:
-    """max |diff| for logits and (worst over layers) the new K/V rows."""
-    diffs = {name: float(np.abs(outputs[name] - ref).max()) for name, ref in expected.items() if name in outputs}
+    """max |diff| for logits and (worst over layers) the new K/V rows.
+
+    A non-finite output or difference (NaN, inf) counts as an infinite difference: `max` over
+    NaN is NaN, and NaN > tolerance is False, so without this a graph emitting NaN would pass."""
     missing = sorted(set(expected) - set(outputs))
     if missing:
         raise VerificationError(f"emitted graphs do not produce {missing[:4]}; they cannot be verified")
+    diffs: dict[str, float] = {}
+    non_finite: list[str] = []
+    for name, ref in expected.items():
+        out = np.asarray(outputs[name], dtype=np.float64)
+        d = np.abs(out - np.asarray(ref, dtype=np.float64))
+        if d.size and not np.isfinite(d).all():
+            non_finite.append(name)
+            diffs[name] = float("inf")
+        else:
+            diffs[name] = float(d.max()) if d.size else 0.0
     kv = [v for k, v in diffs.items() if k.startswith("new_")]
     worst = max(diffs, key=diffs.get)
     return {"logits_max_abs": diffs["logits"], "kv_max_abs": max(kv) if kv else 0.0,
-            "worst_output": worst, "worst_max_abs": diffs[worst],
+            "worst_output": worst, "worst_max_abs": diffs[worst], "non_finite": non_finite,
             "argmax_agree": float((outputs["logits"].argmax(-1) == expected["logits"].argmax(-1)).mean())}
 
 
 def check_tolerance(family: str, figures: dict[str, Any], tol: float) -> None:
-    if figures["worst_max_abs"] > tol:
+    worst = figures["worst_max_abs"]
+    if figures.get("non_finite") or not np.isfinite(worst):
+        bad = figures.get("non_finite") or [figures["worst_output"]]
+        raise VerificationError(
+            f"graph {family!r}: output {bad[0]} has non-finite values (NaN or inf, in the graph's output "
+            f"or in transformers'; {len(bad)} output(s): {', '.join(bad[:4])}); the model cannot be verified, "
+            "whatever the tolerance"
+        )
+    if not worst <= tol:
         raise VerificationError(
             f"graph {family!r}: output {figures['worst_output']} differs from transformers by "
-            f"{figures['worst_max_abs']:.3g} > tolerance.max_abs {tol:g}; the export is not faithful "
+            f"{worst:.3g} > tolerance.max_abs {tol:g}; the export is not faithful "
             "(raise tolerance only if you accept this error)"
         )
 

@@ -8,13 +8,16 @@ import sys
 import time
 from pathlib import Path
 
+import onnx_ir as ir
 import pytest
 from typer.testing import CliRunner
 
+from passes.base import GraphPass, PassConfig
+from passes.registry import PASSES, register
 from tests.tiny import save_tiny, write_recipe
 from toolchain.cli.main import app
 from toolchain.compile.pipeline import compile_recipe
-from toolchain.errors import ArtifactError, SourceError, VerificationError
+from toolchain.errors import ArtifactError, PassError, SourceError, VerificationError
 
 runner = CliRunner()
 
@@ -117,6 +120,61 @@ def test_failed_verification_leaves_nothing(tiny_dir, tmp_path):
     out_parent = tmp_path / "out"
     assert not (out_parent / "strict").exists()
     assert not list(out_parent.glob(".strict*"))  # no staging leftovers
+
+
+class _NanConfig(PassConfig):
+    value: float = float("nan")
+
+
+if "test_poison_lm_head" not in PASSES:
+
+    @register("test_poison_lm_head")
+    class PoisonLmHead(GraphPass):
+        """Deliberately wrong: writes `value` (NaN by default) into one row of the lm_head weight."""
+
+        Config = _NanConfig
+
+        def rewrite(self, model):
+            for node in model.graph:
+                if node.name.startswith("lm_head") and node.op_type == "MatMul":
+                    w = node.inputs[1]
+                    arr = w.const_value.numpy().copy()
+                    arr[:, 7] = self.config.value
+                    w.const_value = ir.tensor(arr, name=w.name)
+                    return True
+            raise AssertionError("no lm_head MatMul in the graph")
+
+
+@pytest.mark.parametrize("value", [float("nan"), 100.0], ids=["nan", "wrong"])
+def test_a_pass_that_breaks_numerics_fails_the_compile_and_leaves_nothing(tiny_dir, tmp_path, value):
+    recipe = write_recipe(tmp_path / "p.yaml", tiny_dir, name="poisoned",
+                          graphs="  decode: {width: 1, context: 64}\n",
+                          extra=f"passes: [{{test_poison_lm_head: {{value: {value}}}}}]\n")
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    with pytest.raises(PassError, match=r"pass 'test_poison_lm_head' changed graph 'decode' output 'logits' by "
+                                        r"(inf|[0-9.]+)"):
+        compile_recipe(recipe)
+    assert not (tmp_path / "out" / "poisoned").exists()
+    assert not list((tmp_path / "out").glob(".poisoned*"))
+
+
+def test_a_source_model_with_nan_logits_fails_verification(tmp_path):
+    """NaN in transformers' own logits as well as the graph's: a NaN difference must still fail
+    (without a greedy check to catch it, as in the diffusion recipes)."""
+    import torch
+
+    hf = save_tiny(tmp_path / "hf", "llama")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    with torch.no_grad():
+        model.lm_head.weight[7] = float("nan")
+    model.save_pretrained(hf)
+    recipe = write_recipe(tmp_path / "n.yaml", hf, name="nanmodel", graphs="  decode: {width: 1, context: 64}\n")
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    with pytest.raises(VerificationError, match="output logits has non-finite values"):
+        compile_recipe(recipe)
+    assert not (tmp_path / "out" / "nanmodel").exists()
 
 
 def test_user_errors_exit_2_without_traceback(tmp_path):
