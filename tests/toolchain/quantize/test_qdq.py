@@ -10,7 +10,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from toolchain.quantize.calibrate import corpus_tokens
 from toolchain.quantize.encodings import by_name
+from toolchain.quantize.ppl import window_logits
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.stage import quantize_artifact
 from toolchain.runtime.greedy import greedy
@@ -43,6 +45,27 @@ def quantize(artifact: Path, tokenizer, **spec) -> Path:
     return artifact / "quantized"
 
 
+def quality(artifact: Path, tokenizer, n_tokens: int = 192) -> tuple[float, float]:
+    """(mean KL(float || quantized) of next-token distributions, argmax agreement) on held-out text,
+    both graphs fed identically through the runtime's cache (ppl.window_logits)."""
+    tokens = corpus_tokens(tokenizer, "heldout", n_tokens)
+    ref = np.concatenate(window_logits(ArtifactSessions(artifact), tokens)).astype(np.float64)
+    got = np.concatenate(window_logits(ArtifactSessions(artifact / "quantized"), tokens)).astype(np.float64)
+    lp = ref - ref.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    lq = got - got.max(-1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    kl = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+    return kl, float((ref.argmax(-1) == got.argmax(-1)).mean())
+
+
+# (max KL, min argmax agreement) vs float on 192 held-out tokens. Measured on this tiny model:
+# w4a16 0.0099 / 0.58 (channel), 0.0058 / 0.67 (block 16); w8a8 0.0006 / 0.93. Weight scales off
+# by 2x measure KL 0.21-0.23 and agreement 0.06-0.07 in every scheme. (The random tiny model's
+# next-token distributions are flat, so KLs are small and int4 flips many near-ties.)
+QUALITY_BOUND = {"int4": (0.02, 0.5), "int8": (0.002, 0.85)}
+
+
 @pytest.mark.parametrize("spec", [
     {"weights": "int4", "granularity": "per_channel", "activations": "int16"},
     {"weights": "int8", "granularity": "per_channel", "activations": "int8"},
@@ -50,7 +73,12 @@ def quantize(artifact: Path, tokenizer, **spec) -> Path:
 ], ids=["w4a16-channel", "w8a8-channel", "w4a16-block16"])
 def test_weights_exact_on_grid_and_encodings_match(artifact, tokenizer, spec):
     q = quantize(artifact, tokenizer, **spec)
+    # quality: the quantized graphs' next-token distributions stay close to the float graphs'
+    kl, agree = quality(artifact, tokenizer)
+    max_kl, min_agree = QUALITY_BOUND[spec["weights"]]
+    assert kl < max_kl and agree > min_agree, (kl, agree)
     m, arrays = load(q / "decode.onnx")
+    _, float_arrays = load(artifact / "decode.onnx")
     want = onnx.TensorProto.INT4 if spec["weights"] == "int4" else onnx.TensorProto.INT8
     inits = {i.name: i for i in m.graph.initializer}
     enc = json.loads((q / "decode.encodings.json").read_text())
@@ -66,9 +94,11 @@ def test_weights_exact_on_grid_and_encodings_match(artifact, tokenizer, spec):
         else:
             assert scale.ndim == 1 and attrs["axis"] == 1  # per output channel of a MatMul [in, out]
             deq = qw.astype(np.float32) * scale
-        # dequantized weights are exactly representable: they re-quantize to the same integers
-        requant = np.round(deq / (np.repeat(scale, 16, axis=attrs["axis"]) if "block_size" in attrs else scale))
-        np.testing.assert_array_equal(requant, qw)
+        # round to nearest on the grid: each dequantized weight is within half a step of the float one
+        w = float_arrays[dq.input[0].removesuffix("_quantized")]
+        step = np.repeat(scale, 16, axis=attrs["axis"]) if "block_size" in attrs else np.broadcast_to(scale, w.shape)
+        err = np.abs(deq - w) / step  # in grid steps; int4's symmetric grid puts the channel max on a tie
+        assert err.max() <= 0.5 + 1e-5, (dq.input[0], err.max())
         # the encodings JSON carries the graph's scales, with AIMET's signed offset convention
         e = by_name(enc["param_encodings"])[dq.input[0].removesuffix("_quantized")]
         np.testing.assert_allclose(np.reshape(e["scale"], e["scale_shape"]), scale, rtol=1e-6)
@@ -130,8 +160,14 @@ def test_overrides_by_pattern(artifact, tokenizer):
 def test_quantized_artifact_runs_with_the_runtime_cache(artifact, tokenizer):
     q = quantize(artifact, tokenizer)
     sessions = ArtifactSessions(q)  # a complete artifact: manifest, rope, tokenizer
-    out = greedy(sessions, tokenizer("def f(x):").input_ids, 6)
+    ids = tokenizer("def f(x):").input_ids
+    out = greedy(sessions, ids, 6)
     assert len(out) == 6
+    # every token the quantized graphs chose is a good choice of the float graphs, fed the same text
+    logits = np.concatenate(window_logits(ArtifactSessions(artifact), ids + out))[len(ids) - 1 :]
+    ranks = [int((row > row[t]).sum()) for row, t in zip(logits, out, strict=False)]
+    # measured ranks in the float logits [1, 0, 2, 2, 0, 0] (int4 flips near-ties); 2x-off weight scales: 68, 92, ...
+    assert max(ranks) < 5 and ranks.count(0) >= 2, ranks
     assert all(g.inputs == f.inputs for g, f in zip(
         sessions.manifest.graphs, ArtifactSessions(artifact).manifest.graphs, strict=True))
 
