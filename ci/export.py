@@ -94,7 +94,8 @@ def qnn_step(artifact: Path, dest: Path) -> tuple[str, str]:
         return "skipped", "context binaries already built by mobc compile (recipe qnn: section)"
     ok, reason = qnn.availability()
     if not ok:
-        return "skipped", f"onnxruntime-qnn unavailable: {reason}"
+        # a declared dependency on Linux x86_64: missing there, the install is broken, not the step optional
+        return ("failed" if qnn.declared_here() else "skipped"), f"onnxruntime-qnn unavailable: {reason}"
     graphs = {g.name: artifact / g.file for g in manifest.graphs}
     smallest = min(manifest.graphs, key=lambda g: (g.width, g.name)).name
     spec = qnn.QnnSpec(**(manifest.recipe or {}).get("qnn") or {})

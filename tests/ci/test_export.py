@@ -35,3 +35,16 @@ def test_hub_step_without_token_checks_the_plan_and_skips(tmp_path, monkeypatch)
     assert (tmp_path / "toy" / "manifest.json").is_file()
     assert (tmp_path / "toy" / "hub" / "dev" / "profiles" / "decode.json").is_file()
     assert not (tmp_path / "toy" / "hub" / "dev" / "model.bin").exists()  # binaries stay behind
+
+
+def test_qnn_step_fails_where_onnxruntime_qnn_is_declared_and_missing(tmp_path, monkeypatch):
+    from toolchain.qnn import context as qnn
+
+    export = _export_module()
+    art = make_artifact(tmp_path / "toy" / "artifact")
+    monkeypatch.setattr(qnn, "availability", lambda: (False, "onnxruntime-qnn is not installed"))
+    monkeypatch.setattr(qnn, "declared_here", lambda: True)  # Linux x86_64: a declared dependency
+    status, detail = export.qnn_step(art, tmp_path / "qnn")
+    assert status == "failed" and "not installed" in detail
+    monkeypatch.setattr(qnn, "declared_here", lambda: False)  # e.g. macOS: no wheel, the step is optional
+    assert export.qnn_step(art, tmp_path / "qnn")[0] == "skipped"

@@ -102,6 +102,12 @@ def availability() -> tuple[bool, str]:
     return True, f"onnxruntime-qnn {onnxruntime_qnn.__version__} on {plat[0]} {plat[1]}"
 
 
+def declared_here() -> bool:
+    """Whether onnxruntime-qnn is a declared dependency on this platform (pyproject.toml: Linux
+    x86_64). There a missing or broken backend is an installation fault to report, not a skip."""
+    return (platform.system(), platform.machine()) == ("Linux", "x86_64")
+
+
 def require() -> None:
     ok, reason = availability()
     if not ok:

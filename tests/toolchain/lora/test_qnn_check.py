@@ -14,11 +14,8 @@ from tests.passes.tiny import feeds_for, tiny
 from toolchain.qnn import context as qnn
 from toolchain.runtime.adapters import Adapter
 
-AVAILABLE, REASON = qnn.availability()
-
 
 @pytest.mark.qnn
-@pytest.mark.skipif(not AVAILABLE, reason=f"onnxruntime-qnn unavailable: {REASON}")
 def test_lora_and_forecast_graph_builds_on_htp(tmp_path):
     layout, base = tiny("llama")
     model = base.clone()
@@ -52,7 +49,6 @@ qnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}
 
 
 @pytest.mark.qnn
-@pytest.mark.skipif(not AVAILABLE, reason=f"onnxruntime-qnn unavailable: {REASON}")
 def test_recipe_binaries_keep_adapter_inputs_and_match_cpu_with_an_adapter(tmp_path):
     """A lora_inputs recipe with a qnn: section (split into parts and lm_head): every context binary
     keeps its lora_* inputs, and an adapter packed after the compile runs on them (greedy requests

@@ -9,11 +9,8 @@ import pytest
 from toolchain.qnn import context as qnn
 from toolchain.quantize.qnn_check import check_quantized
 
-AVAILABLE, REASON = qnn.availability()
-
 
 @pytest.mark.qnn
-@pytest.mark.skipif(not AVAILABLE, reason=f"onnxruntime-qnn unavailable: {REASON}")
 def test_quantized_graphs_build_and_follow_the_cpu_simulation(compiled, tmp_path):
     lines: list[str] = []
     r = check_quantized(compiled / "quantized", tmp_path, greedy_tokens=8, log=lines.append)
@@ -21,15 +18,15 @@ def test_quantized_graphs_build_and_follow_the_cpu_simulation(compiled, tmp_path
     for g in r["graphs"].values():
         assert g["context_bytes"] > 0 and g["argmax_agreement"] == 1.0
     # the HTP runs the integer kernels the CPU simulates (measured: max diff 0.037); a random tiny
-    # model's top logits can sit closer than that, so one flip in 8 tokens is tolerated
+    # model's top logits can sit closer than that, so one flip in 8 tokens is tolerated (not two)
     g = r["greedy"]
-    assert g["tokens"] == 8 and g["argmax_agreement"] >= 0.75 and g["logits_max_abs"] < 0.05
+    print("QNN", g)
+    assert g["tokens"] == 8 and g["argmax_agreement"] >= 7 / 8 and g["logits_max_abs"] < 0.05
     assert any(m.startswith("lockstep token 8/8") for m in lines)
     assert json.loads((tmp_path / "qnn_check.json").read_text())["greedy"]["tokens"] == 8
 
 
 @pytest.mark.qnn
-@pytest.mark.skipif(not AVAILABLE, reason=f"onnxruntime-qnn unavailable: {REASON}")
 def test_block_weights_with_8bit_activations_are_explained(artifact, tokenizer, tmp_path):
     from toolchain.quantize.schema import QuantizeSpec
     from toolchain.quantize.stage import quantize_artifact
