@@ -20,7 +20,6 @@ def test_quantized_graphs_build_and_follow_the_cpu_simulation(compiled, tmp_path
     # the HTP runs the integer kernels the CPU simulates (measured: max diff 0.037); a random tiny
     # model's top logits can sit closer than that, so one flip in 8 tokens is tolerated (not two)
     g = r["greedy"]
-    print("QNN", g)
     assert g["tokens"] == 8 and g["argmax_agreement"] >= 7 / 8 and g["logits_max_abs"] < 0.05
     assert any(m.startswith("lockstep token 8/8") for m in lines)
     assert json.loads((tmp_path / "qnn_check.json").read_text())["greedy"]["tokens"] == 8
