@@ -41,9 +41,13 @@ class WeightsWriter:
     def externalize(self, model: ir.Model) -> None:
         for value in model.graph.initializers.values():
             tensor = value.const_value
-            if tensor is None or tensor.nbytes < INLINE_BYTES:
+            if tensor is None:
                 continue
-            data = tensor.tobytes()
+            if tensor.nbytes < INLINE_BYTES:
+                if isinstance(tensor, ir.ExternalTensor):  # a small weight still in the checkpoint or spill
+                    value.const_value = ir.tensor(tensor.numpy(), name=value.name)
+                continue
+            data = tensor.tobytes()  # one tensor in memory at a time (DiskTensors read on demand)
             key = hashlib.sha256(data).hexdigest()
             if key not in self._offsets:
                 pad = (-self._f.tell()) % ALIGN

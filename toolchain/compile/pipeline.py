@@ -7,6 +7,7 @@ can show progress without the pipeline knowing about terminals.
 from __future__ import annotations
 
 import platform
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,8 +22,9 @@ from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import Manifest, ModelInfo
 from toolchain.compile.capture import layout_for, rope_tables
 from toolchain.compile.emit import staging, write_graphs, write_rope
-from toolchain.compile.export import export_cached
+from toolchain.compile.export import StoredWeights, export_step_graph
 from toolchain.compile.recipe import Recipe, check_against_model, load_recipe
+from toolchain.compile.pass_runner import RUN_PART_BYTES, run_passes
 from toolchain.compile.report import write_report
 from toolchain.compile.source import LoadedModel, load
 from toolchain.compile.verify import (
@@ -35,6 +37,7 @@ from toolchain.compile.verify import (
     reference_case,
 )
 from toolchain.errors import RecipeError, VerificationError
+from toolchain.ir import disk
 from toolchain.ir.graphset import GraphEntry, GraphSet
 from toolchain.runtime.greedy import decode_family, greedy
 from toolchain.runtime.sessions import ArtifactSessions
@@ -98,12 +101,14 @@ class StageTimer:
         self.reporter.done(name, self.timings[name], detail)
 
 
-def export_graphs(recipe: Recipe, loaded: LoadedModel, timer: StageTimer) -> tuple[GraphSet, dict[str, StepLayout]]:
+def export_graphs(recipe: Recipe, loaded: LoadedModel, timer: StageTimer,
+                  spill: disk.Spill) -> tuple[GraphSet, dict[str, StepLayout]]:
     graphs, layouts = GraphSet(), {}
+    weights = StoredWeights(loaded.store, loaded.model, spill) if loaded.store else None
     for name, spec in recipe.graphs.items():
         layout = layout_for(loaded.config, spec.width, spec.context)
         with timer.stage(f"export {name} (N={spec.width}, CL={spec.context})"):
-            model = export_cached(loaded.model, layout, loaded.fingerprint, graph_name=name)
+            model = export_step_graph(loaded.model, layout, graph_name=name, weights=weights)
         graphs.add(GraphEntry(name=name, model=model, family=name, role=recipe.graph_role(name),
                               width=spec.width, context=spec.context))
         layouts[name] = layout
@@ -123,7 +128,8 @@ def reference_cases(loaded: LoadedModel, layouts: dict[str, StepLayout], rope: d
 def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: dict[str, Case],
                     timer: StageTimer) -> dict[str, Any]:
     """Numeric checks of the written graphs (files, not in-memory models)."""
-    sessions = ArtifactSessions(folder)
+    # one part's sessions at a time when the model is large (parts are cut to ~RUN_PART_BYTES)
+    sessions = ArtifactSessions(folder, max_resident_bytes=RUN_PART_BYTES)
     families: dict[str, Any] = {}
     for family, case in cases.items():
         with timer.stage(f"verify {family} vs transformers"):
@@ -200,9 +206,20 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
         raise ArtifactError(f"{out_dir} already exists; pass --force to replace it (or --out another folder)")
 
     with timer.stage("load model", recipe.source.describe()):
-        loaded = load(recipe.source, base=recipe_path.parent)
+        loaded = load(recipe.source, base=recipe_path.parent, stream=True)
     check_against_model(recipe, getattr(loaded.config, "max_position_embeddings", None))
-    graphs, layouts = export_graphs(recipe, loaded, timer)
+    out_dir.resolve().parent.mkdir(parents=True, exist_ok=True)
+    # tensors the export and the passes create live in a scratch folder beside the output (same
+    # disk as the artifact), never all in memory; it goes away with the compile
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.scratch-", dir=out_dir.resolve().parent) as scratch:
+        spill = disk.Spill(Path(scratch))
+        with disk.spilling(spill):
+            return _compile(recipe, recipe_path, out_dir, force, loaded, timer, spill)
+
+
+def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, loaded: LoadedModel,
+             timer: StageTimer, spill: disk.Spill) -> CompileResult:
+    graphs, layouts = export_graphs(recipe, loaded, timer, spill)
     any_layout = next(iter(layouts.values()))
     rope = rope_tables(loaded.model, any_layout, max(s.context for s in recipe.graphs.values()))
     with timer.stage("reference cases (transformers)"):
@@ -210,8 +227,6 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
 
     pass_rows: list[dict[str, Any]] = []
     if recipe.passes:
-        from toolchain.compile.pass_runner import run_passes
-
         with timer.stage(f"passes ({len(recipe.passes)})"):
             graphs, pass_rows = run_passes(graphs, list(recipe.passes), recipe.tolerance.max_abs,
                                            {f: c.feeds for f, c in cases.items()})

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from toolchain.compile.recipe import SourceSpec
+from toolchain.compile.weight_store import WeightStore
 from toolchain.errors import SourceError, UnsupportedModelError
 
 # model_type -> family name used in messages, tests and the manifest
@@ -68,6 +69,9 @@ class LoadedModel:
     files: list[str]
     # masked-diffusion form (diffusion.json beside config.json) or None for an AR checkpoint
     diffusion: dict[str, Any] | None = None
+    # streamed loads: the checkpoint's weights by name; `model` then holds one module's weights
+    # at a time (toolchain/compile/streamed.py)
+    store: WeightStore | None = None
 
     @property
     def family(self) -> str:
@@ -181,25 +185,40 @@ def _write_gguf_cache(model: Any, tokenizer: Any, target: Path) -> None:
     tmp.rename(target)
 
 
-def load(spec: SourceSpec, base: Path | None = None) -> LoadedModel:
+def load(spec: SourceSpec, base: Path | None = None, stream: bool = False) -> LoadedModel:
     """Loads the model in float32 with eager attention, and its tokenizer, strictly offline.
 
     GGUF sources are converted once into a float checkpoint under $MOBC_CACHE (default
     ~/.cache/mobc), keyed by the GGUF's sha256, so later loads skip the dequantization.
+    With `stream`, no weight is loaded: `model` reads each module's weights from the
+    checkpoint's .safetensors files while it runs, and `store` hands them to the export.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     folder, gguf = resolve(spec, base)
     source_files = [folder / gguf] if gguf else sorted(
         p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json", ".model"}
     )
     fingerprint = fingerprint_files([p.resolve() for p in source_files])
-    kw: dict[str, Any] = {"local_files_only": True}
     cached = cache_root() / "models" / fingerprint[:24]
     if gguf and (cached / "config.json").is_file():
         folder, gguf = cached, None
+    if stream and gguf:  # dequantize once into the float cache, then stream from it
+        full = _load_full(spec, folder, gguf, cached)
+        if (cached / "config.json").is_file():
+            folder, gguf = cached, None
+        else:  # the cache could not be written (read-only home): use the loaded model
+            return _loaded(spec, full[0], full[1], fingerprint, source_files, None, None)
+    if stream and any(folder.glob("*.safetensors")):
+        return _load_streamed(spec, folder, fingerprint, source_files)
+    model, tokenizer = _load_full(spec, folder, gguf, cached)
+    return _loaded(spec, model, tokenizer, fingerprint, source_files, None if gguf else folder, None)
+
+
+def _load_full(spec: SourceSpec, folder: Path, gguf: str | None, cached: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict[str, Any] = {"local_files_only": True}
     if gguf:
         kw["gguf_file"] = gguf
     try:
@@ -224,9 +243,37 @@ def load(spec: SourceSpec, base: Path | None = None) -> LoadedModel:
                 _write_gguf_cache(model, tokenizer, cached)
         except OSError:
             pass  # the cache is an optimization; a read-only home must not fail the compile
+    return model, tokenizer
+
+
+def _load_streamed(spec: SourceSpec, folder: Path, fingerprint: str, source_files: list[Path]) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from toolchain.compile.streamed import streamed_model
+
+    try:
+        with _quiet():
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            config = getattr(config, "text_config", None) or config
+            check_architecture(config)
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (UnsupportedModelError, SourceError):
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise SourceError(f"source {spec.describe()}: could not load the model offline: {exc}") from None
+    store = WeightStore.of_folder(folder)
+    try:
+        model = streamed_model(config, store)
+    except ValueError as exc:
+        raise SourceError(f"source {spec.describe()}: {exc}") from None
+    return _loaded(spec, model, tokenizer, fingerprint, source_files, folder, store)
+
+
+def _loaded(spec: SourceSpec, model: Any, tokenizer: Any, fingerprint: str, source_files: list[Path],
+            form_folder: Path | None, store: WeightStore | None) -> LoadedModel:
     from toolchain.diffusion.form import read_form
 
-    form = None if gguf else read_form(folder)
+    form = read_form(form_folder) if form_folder else None
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -235,4 +282,5 @@ def load(spec: SourceSpec, base: Path | None = None) -> LoadedModel:
         fingerprint=fingerprint,
         files=[str(p) for p in source_files],
         diffusion=form.to_dict() if form else None,
+        store=store,
     )

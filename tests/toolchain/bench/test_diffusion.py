@@ -35,7 +35,16 @@ def test_bench_rows_and_speculation_off_equality(split_dlm):
     rows = {r["policy"]: r for r in res["rows"]}
     assert rows["llada-off"]["equals_rule_baseline"] == "2/2"
     assert rows["llada-steps-off"]["equals_rule_baseline"] == "2/2"
-    assert rows["dllm"]["agreement_with_dllm"] == 1.0
+    # agreement is measured against dllm's tokens, recomputed here from the outputs the bench kept
+    ref = [p["output"] for p in res["details"]["dllm"]]
+    for name, r in rows.items():
+        outs = [p["output"] for p in res["details"][name]]
+        same = sum(a == b for o, d in zip(outs, ref, strict=True) for a, b in zip(o, d, strict=False))
+        assert r["agreement_with_dllm"] == pytest.approx(same / r["tokens"]), name
+    # the steps rule without speculation is dllm itself; Fast-dLLM's threshold rule decodes other
+    # tokens (measured 0.25 on this model), so the column is not 1.0 by construction
+    assert rows["llada-steps-off"]["agreement_with_dllm"] == 1.0
+    assert rows["fastdllm"]["agreement_with_dllm"] < 1.0
     for r in rows.values():
         assert r["tokens"] == 32 and r["calls_per_token"] > 0 and r["phone_ms_per_token"] > 0
     assert not [t for t in threading.enumerate() if t.name == "mobc-revision"]
