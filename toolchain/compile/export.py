@@ -8,22 +8,23 @@ its layer index and projection (e.g. `layers.3.self_attn.q_proj/MatMul`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import logging
-import os
-import shutil
 import warnings
 from collections import Counter
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import onnx_ir as ir
 import torch
+from onnxscript import optimizer
 
 from toolchain.artifact.layout import StepLayout
 from toolchain.compile.capture import StepGraph, example_inputs
+from toolchain.compile.streamed import meta_model
+from toolchain.compile.weight_store import WeightStore
 from toolchain.errors import MobcError
+from toolchain.ir import disk
 
 OPSET = 21
 
@@ -93,10 +94,53 @@ def name_initializers(model: ir.Model) -> None:
             value.name = new
 
 
-def export_step_graph(model: Any, layout: StepLayout, graph_name: str = "step") -> ir.Model:
-    """Exports the HF model as a step graph of the given layout (float32)."""
-    wrapper = StepGraph(model, layout).eval()
-    args = tuple(example_inputs(layout))
+class Weights(Protocol):
+    """Where an export's initializers get their data: Hugging Face name -> graph tensor."""
+
+    def tensor(self, hf_name: str, ir_name: str) -> ir.TensorProtocol | None: ...
+
+
+class ModuleWeights:
+    """The parameters and buffers of an in-memory torch model (tests, small models)."""
+
+    def __init__(self, model: Any):
+        self.named = {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
+
+    def tensor(self, hf_name: str, ir_name: str) -> ir.TensorProtocol | None:
+        t = self.named.get(hf_name)
+        if t is None:
+            return None
+        return disk.as_tensor(ir_name, t.detach().float().numpy() if t.is_floating_point() else t.numpy())
+
+
+class StoredWeights:
+    """Parameters from the checkpoint's files (no copy for fp32), buffers from the skeleton model."""
+
+    def __init__(self, store: WeightStore, skeleton: Any, spill: disk.Spill):
+        self.store, self.spill = store, spill
+        self.buffers = dict(skeleton.named_buffers())
+
+    def tensor(self, hf_name: str, ir_name: str) -> ir.TensorProtocol | None:
+        if hf_name in self.store:
+            return self.store.graph_tensor(hf_name, ir_name, self.spill)
+        b = self.buffers.get(hf_name)
+        return None if b is None else disk.as_tensor(ir_name, b.detach().numpy())
+
+
+def export_step_graph(model: Any, layout: StepLayout, graph_name: str = "step",
+                      weights: Weights | None = None) -> ir.Model:
+    """Exports the HF model as a step graph of the given layout (float32).
+
+    The exporter traces a copy of the model on the meta device, so tracing costs no weight
+    memory whatever the model's size; the graph's initializers are then bound by name to
+    `weights` (default: `model`'s own tensors). Large tensors the export creates (transposed
+    Linear weights) go through `disk.as_tensor`, i.e. to the active spill when there is one.
+    """
+    weights = weights or ModuleWeights(model)
+    config = model.config
+    config._attn_implementation = "eager"
+    wrapper = StepGraph(meta_model(config), layout).eval()
+    args = tuple(t.to("meta") for t in example_inputs(layout))
     in_names = [n for n, _, _ in layout.inputs()]
     out_names = [n for n, _, _ in layout.outputs()]
     sink = io.StringIO()
@@ -111,8 +155,7 @@ def export_step_graph(model: Any, layout: StepLayout, graph_name: str = "step") 
                 output_names=out_names,
                 opset_version=OPSET,
                 dynamo=True,
-                external_data=True,
-                optimize=True,
+                optimize=False,  # the optimizer cannot fold meta tensors; it runs after binding
                 verify=False,
                 report=False,
             )
@@ -123,13 +166,69 @@ def export_step_graph(model: Any, layout: StepLayout, graph_name: str = "step") 
             "rerun with --debug for the full exporter log"
         ) from exc
     finally:
-        model.config._attn_implementation = "eager"
+        config._attn_implementation = "eager"
     onnx_model = program.model
+    bind_weights(onnx_model, weights, graph_name)
+    fold_weight_transposes(onnx_model)
+    optimizer.optimize(onnx_model)
+    spill = disk.active()
+    if spill is not None:
+        disk.spill_large(onnx_model, spill)  # anything large the optimizer folded in memory
     onnx_model.graph.name = graph_name
     name_nodes(onnx_model)
     name_initializers(onnx_model)
     _check_io(onnx_model, in_names, out_names)
     return onnx_model
+
+
+def bind_weights(model: ir.Model, weights: Weights, graph_name: str) -> None:
+    """Gives every initializer of the meta-traced graph its data, by the parameter's HF name."""
+    unbound = []
+    for value in model.graph.initializers.values():
+        name = value.name or ""
+        hf_name = name[len("model."):] if name.startswith("model.") else name  # StepGraph.model.<hf name>
+        tensor = weights.tensor(hf_name, name)
+        if tensor is None:
+            if value.const_value is not None and not _is_meta(value.const_value):
+                continue  # a constant the exporter made from Python numbers
+            unbound.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(value.shape or ()):
+            raise ExportError(f"graph {graph_name!r}: weight {hf_name} has shape {tuple(tensor.shape)}, "
+                              f"the model expects {tuple(value.shape or ())}; the checkpoint does not match its config")
+        value.const_value = tensor
+    if unbound:
+        raise ExportError(f"graph {graph_name!r}: no weights for {unbound[:4]}; the checkpoint lacks them")
+
+
+def _is_meta(tensor: Any) -> bool:
+    raw = getattr(tensor, "raw", None)
+    return isinstance(raw, torch.Tensor) and raw.device.type == "meta"
+
+
+def fold_weight_transposes(model: ir.Model) -> None:
+    """Transpose(initializer) -> the transposed initializer, one tensor at a time.
+
+    torch exports Linear as MatMul(x, Transpose(W)); folding those here (instead of in the
+    optimizer, which would hold every folded weight in memory at once) lets the large results go
+    to the spill as they are made.
+    """
+    for node in list(model.graph):
+        if node.op_type != "Transpose" or not node.inputs[0] or not node.inputs[0].is_initializer():
+            continue
+        source = node.inputs[0]
+        if len(source.uses()) > 1:
+            continue  # a tied embedding (Gather + lm_head): folding would store the weight twice
+        perm = node.attributes.get_ints("perm", None)
+        arr = source.const_value.numpy()
+        folded = np.transpose(arr, perm) if perm is not None else arr.T
+        name = f"val_T_{source.name}"
+        value = ir.Value(name=name, shape=ir.Shape(folded.shape), type=ir.TensorType(source.dtype),
+                         const_value=disk.as_tensor(name, folded))
+        model.graph.register_initializer(value)
+        ir.convenience.replace_all_uses_with(node.outputs[0], value)
+        model.graph.remove(node, safe=True)
+        del model.graph.initializers[source.name]
 
 
 def _check_io(model: ir.Model, in_names: list[str], out_names: list[str]) -> None:
@@ -140,41 +239,3 @@ def _check_io(model: ir.Model, in_names: list[str], out_names: list[str]) -> Non
             f"exported graph I/O does not follow the step-graph convention: inputs {got_in[:6]}..., "
             f"outputs {got_out[:4]}...; this is a mobc bug, please report it"
         )
-
-
-def _export_key(fingerprint: str, layout: StepLayout, graph_name: str) -> str:
-    """Content hash of everything an export depends on: weights, shapes, tool and mobc code."""
-    import onnxscript
-    import transformers
-
-    from toolchain.compile import capture
-
-    h = hashlib.sha256()
-    for part in (fingerprint, repr(layout), graph_name, torch.__version__, transformers.__version__,
-                 onnxscript.__version__, Path(capture.__file__).read_text(), Path(__file__).read_text()):
-        h.update(part.encode())
-    return h.hexdigest()[:32]
-
-
-def export_cached(model: Any, layout: StepLayout, fingerprint: str, graph_name: str = "step") -> ir.Model:
-    """export_step_graph, memoized on disk under $MOBC_CACHE/exports by content hash.
-
-    Re-running a recipe after changing a pass, the quantization or verification settings skips the
-    20-90 s exports. MOBC_NO_CACHE=1 turns it off.
-    """
-    from toolchain.compile.source import cache_root
-
-    if os.environ.get("MOBC_NO_CACHE"):
-        return export_step_graph(model, layout, graph_name)
-    folder = cache_root() / "exports" / _export_key(fingerprint, layout, graph_name)
-    if (folder / "graph.onnx").is_file():
-        return ir.load(folder / "graph.onnx")
-    onnx_model = export_step_graph(model, layout, graph_name)
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        ir.save(onnx_model, tmp / "graph.onnx", external_data="graph.data")
-        tmp.rename(folder)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # a cache we cannot write is only slower
-    return onnx_model

@@ -10,7 +10,9 @@ the pass, the family and the worst output. Rows are plain JSON (manifest.json "p
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import tempfile
 import time
 from collections import Counter
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 from rich.table import Table
@@ -27,30 +30,83 @@ from passes.base import GraphSetPass
 from passes.registry import check_order
 from toolchain.artifact.chain import run_chain
 from toolchain.errors import MobcError, PassError
+from toolchain.ir import disk
+from toolchain.ir.graph import layer_of, weight_bytes
 from toolchain.ir.graphset import GraphEntry, GraphSet
 
 Feeds = dict[str, dict[str, np.ndarray]]
 
 
-def ort_run(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One graph on the onnxruntime CPU EP (the reference every pass is checked on).
+# A stage whose weights exceed this is run in temporary layer parts (split_layers' cut), each
+# its own session, so checking a 8B graph needs one part's memory, not the model's.
+RUN_PART_BYTES = float(os.environ.get("MOBC_VERIFY_PART_BYTES", 1.0e9))
 
-    The graph goes through a temporary file with external data rather than serialized bytes:
-    bytes would hold the weights three times over (model, proto, ORT), which a 1 GB Gemma 3
-    graph cannot afford next to its torch model.
-    """
+
+def session_options() -> ort.SessionOptions:
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of each weight
+    return opts
+
+
+def save_for_ort(model: ir.Model, folder: Path, stem: str = "graph") -> Path:
+    """`folder`/<stem>.onnx for onnxruntime. On-disk weights are read where they lie when they are
+    in `folder` (the compile's spill: no copy of a multi-GB checkpoint per check), else linked
+    into it; in-memory ones go to <stem>.data."""
+    proto = ir.to_proto(model)
+    paths = {v.name: Path(v.const_value.path) for v in model.graph.initializers.values()
+             if isinstance(v.const_value, ir.ExternalTensor)}
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL and t.name in paths:
+            for entry in t.external_data:
+                if entry.key == "location":
+                    entry.value = disk.link_into(folder, paths[t.name])
+    path = folder / f"{stem}.onnx"
+    onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=f"{stem}.data", size_threshold=1024)
+    return path
+
+
+def _ort_run_whole(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    spill = disk.active()
     with tempfile.TemporaryDirectory(prefix="mobc-pass-") as tmp:
-        path = Path(tmp) / "graph.onnx"
-        ir.save(entry.model, path, external_data="graph.data")
+        folder = spill.folder if spill is not None else Path(tmp)
+        stem = f"check-{os.getpid()}-{entry.name}"
+        path = save_for_ort(entry.model, folder, stem)
         try:
-            sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            sess = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
         except Exception as exc:
             raise PassError(f"graph {entry.name!r} does not load in onnxruntime: {exc}") from exc
+        finally:
+            path.unlink()
+            (folder / f"{stem}.data").unlink(missing_ok=True)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+def ort_run(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One graph on the onnxruntime CPU EP (the reference every pass is checked on).
+
+    A graph with more than RUN_PART_BYTES of weights runs as temporary layer parts, one
+    session at a time; the parts compute exactly what the whole graph computes (the chain rules
+    of toolchain/artifact/chain.py), so the check is the same at a fraction of the memory.
+    """
+    if weight_bytes(entry.model) > RUN_PART_BYTES and _layer_count(entry.model) > 1:
+        from passes.split_layers import SplitLayers
+
+        gs = GraphSet()
+        gs.add(dataclasses.replace(entry, meta={k: v for k, v in entry.meta.items() if k != "layers"}))
+        gs = SplitLayers(SplitLayers.Config(max_part_bytes=RUN_PART_BYTES)).apply(gs, entry.family)
+        parts = gs.chain(entry.family)
+        if len(parts) > 1:
+            outs = run_chain(parts, feeds, _ort_run_whole)
+            return {name: outs[name] for name in entry.output_names}
+    return _ort_run_whole(entry, feeds)
+
+
+def _layer_count(model: ir.Model) -> int:
+    return len({i for n in model.graph if (i := layer_of(n)) is not None})
 
 
 def _stats(gs: GraphSet) -> tuple[dict[str, int], int]:
@@ -63,10 +119,14 @@ def _stats(gs: GraphSet) -> tuple[dict[str, int], int]:
         for v in e.model.graph.initializers.values():
             if v.const_value is not None:
                 tensors[id(v.const_value)] = v.const_value
+    keys = set()
     by_size: dict[int, list[Any]] = {}
     for t in tensors.values():
-        by_size.setdefault(t.nbytes, []).append(t)
-    nbytes = 0
+        if isinstance(t, ir.ExternalTensor):  # on disk: the same bytes are the same file range
+            keys.add((str(Path(t.path).resolve()), t.offset, t.length or t.nbytes))
+        else:
+            by_size.setdefault(t.nbytes, []).append(t)
+    nbytes = sum(k[2] for k in keys)
     for size, group in by_size.items():
         # only tensors of equal size can be equal: hash just those
         distinct = {hashlib.sha1(t.tobytes()).digest() for t in group} if len(group) > 1 else group
@@ -140,8 +200,14 @@ def run_passes(
         ops_before, bytes_before = _stats(graphset)
         graphs_before = sorted(graphset.entries)
         t0 = time.perf_counter()
+        spill = disk.active()
+        if spill is not None:
+            spill.section(name)  # what this pass creates; earlier sections it replaces get deleted below
         try:
             graphset = _apply(p, graphset)
+            if spill is not None:
+                for entry in graphset.entries.values():
+                    disk.spill_large(entry.model, spill)  # tensors a rewriter made outside add_initializer
         except MobcError:
             raise
         except Exception as exc:
@@ -176,6 +242,9 @@ def run_passes(
             }
         )
         before = after
+        if spill is not None:
+            spill.collect(v.const_value for e in graphset.entries.values()
+                          for v in e.model.graph.initializers.values())
     return graphset, rows
 
 

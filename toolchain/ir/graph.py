@@ -13,6 +13,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from toolchain.ir import disk
+
 _LAYER = re.compile(r"^layers\.(\d+)[./]")
 
 
@@ -57,7 +59,7 @@ def add_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
         name=name,
         shape=ir.Shape(array.shape),
         type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-        const_value=ir.tensor(array, name=name),
+        const_value=disk.as_tensor(name, array),  # large arrays go to disk while a spill is active
     )
     graph.register_initializer(value)
     return value

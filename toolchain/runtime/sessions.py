@@ -31,8 +31,11 @@ class ArtifactSessions:
     """Lazily opened sessions for every graph of an artifact, on the CPU EP by default."""
 
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
-                 provider_options: dict[str, str] | None = None):
+                 provider_options: dict[str, str] | None = None, max_resident_bytes: float | None = None):
+        """max_resident_bytes: keep at most about this many weight bytes in open sessions, closing
+        the least recently used ones (the compile's checks of multi-GB models); None keeps all."""
         self.folder = Path(folder)
+        self.max_resident_bytes = max_resident_bytes
         self.manifest = Manifest.load(self.folder)
         self.provider = provider
         self.threads = threads
@@ -53,17 +56,30 @@ class ArtifactSessions:
         return self.manifest.chain(family)
 
     def session(self, name: str) -> ort.InferenceSession:
-        if name not in self._sessions:
+        if name in self._sessions:
+            self._sessions[name] = self._sessions.pop(name)  # most recently used last
+        else:
+            self._make_room(self.stages[name].weight_bytes)
             path = str(self.folder / self.stages[name].file)
             if self.provider == "qnn":
                 from toolchain.qnn import context as qnn  # optional plugin EP
 
                 self._sessions[name] = qnn.session(path, provider="qnn", options=self.provider_options)
             else:
-                self._sessions[name] = ort.InferenceSession(
-                    path, session_options(self.threads), providers=["CPUExecutionProvider"]
-                )
+                opts = session_options(self.threads)
+                if self.max_resident_bytes is not None:
+                    opts.add_session_config_entry("session.disable_prepacking", "1")
+                self._sessions[name] = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         return self._sessions[name]
+
+    def _make_room(self, needed: int) -> None:
+        if self.max_resident_bytes is None:
+            return
+        while self._sessions:
+            held = sum(self.stages[n].weight_bytes for n in self._sessions)
+            if held + needed <= self.max_resident_bytes:
+                return
+            del self._sessions[next(iter(self._sessions))]
 
     def run_stage(self, stage: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         sess = self.session(stage.name)

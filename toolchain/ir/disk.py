@@ -1,0 +1,177 @@
+"""Weights that live on disk: tensors read on demand and never cached, and a spill for new ones.
+
+Why: a 1-8B model's weights do not fit in memory several times over. onnx_ir's ExternalTensor
+memory-maps its whole file and keeps the mapping, so every page a pass or a hash touches stays
+in the process's resident set (RSS counts mapped file pages). A DiskTensor reads its bytes with a
+positional read into a fresh array on every call: a weight costs memory only while a caller holds
+the array, and the page cache (not counted) makes repeated reads cheap.
+
+`Spill` is where the compile puts tensors it creates (transposed Linear weights, per-head slices,
+conv layouts): appended to a scratch file as they are made, deduplicated by content, and handed
+back as DiskTensors. While a spill is active (`spilling`), `toolchain.ir.graph.add_initializer`
+sends every large array there, so a pass that rewrites all weights holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+SPILL_BYTES = 1 << 16  # arrays at least this large go to disk while a spill is active
+_ALIGN = 64
+
+
+class DiskTensor(ir.ExternalTensor):
+    """An external tensor read with pread on every access (no memory map, no cache)."""
+
+    def _read(self) -> bytes:
+        length = self.length if self.length is not None else self.nbytes
+        with open(self.path, "rb") as f:
+            data = os.pread(f.fileno(), length, self.offset or 0)
+        if len(data) != length:
+            raise OSError(f"{self.path}: expected {length} bytes at offset {self.offset}, read {len(data)}")
+        return data
+
+    def numpy(self) -> np.ndarray:
+        arr = np.frombuffer(bytearray(self._read()), dtype=self.dtype.numpy())
+        return arr.reshape(self.shape.numpy())
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def tobytes(self) -> bytes:
+        return self._read()
+
+    def release(self) -> None:  # nothing is held
+        pass
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    # not np.ascontiguousarray: it turns 0-d scalars into shape (1,)
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def is_on_disk(tensor: object) -> bool:
+    return isinstance(tensor, ir.ExternalTensor)
+
+
+class Spill:
+    """Scratch files of tensors the compile created; one file per `section` (e.g. per pass)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._file = None
+        self._name = ""
+        self._sections = 0
+        self._by_hash: dict[str, tuple[str, int, int]] = {}
+        self.bytes_written = 0
+
+    def section(self, label: str) -> None:
+        """Starts a new scratch file, so `collect` can delete what a later section replaced."""
+        self._close()
+        self._sections += 1
+        self._name = f"spill{self._sections:03d}-{label}.bin"
+        self._file = open(self.folder / self._name, "wb")  # noqa: SIM115 - closed by _close/close
+
+    def store(self, name: str, array: np.ndarray) -> DiskTensor:
+        if self._file is None:
+            self.section("weights")
+        array = _contiguous(array)
+        data = memoryview(array).cast("B") if array.size else b""
+        key = hashlib.sha256(data).hexdigest() + str(array.dtype) + str(array.shape)
+        if key not in self._by_hash:
+            f = self._file
+            f.write(b"\0" * ((-f.tell()) % _ALIGN))
+            offset = f.tell()
+            f.write(data)
+            f.flush()  # readers open the file themselves
+            self._by_hash[key] = (self._name, offset, len(data))
+            self.bytes_written += len(data)
+        location, offset, length = self._by_hash[key]
+        return DiskTensor(location, offset, length, ir.DataType.from_numpy(array.dtype),
+                          shape=ir.Shape(array.shape), name=name, base_dir=self.folder)
+
+    def adopt(self, path: Path) -> str:
+        """A name for `path` inside the spill folder (a hard link, else a copy), so graphs saved
+        there reference it by a relative name: onnxruntime refuses external data outside the
+        model's folder, symlinks included."""
+        return link_into(self.folder, Path(path))
+
+    def collect(self, live: Iterable[object]) -> int:
+        """Deletes the spill files no live tensor points into (except the open one); returns bytes freed."""
+        used = {Path(t.path).name for t in live if isinstance(t, ir.ExternalTensor)}
+        freed = 0
+        for path in self.folder.glob("spill*.bin"):
+            if path.name not in used and path.name != self._name:
+                freed += path.stat().st_size
+                path.unlink()
+                self._by_hash = {k: v for k, v in self._by_hash.items() if v[0] != path.name}
+        return freed
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        self._close()
+
+
+def link_into(folder: Path, path: Path) -> str:
+    path = path.resolve()
+    if path.parent == folder.resolve():
+        return path.name
+    stat = path.stat()
+    name = f"src-{stat.st_dev}-{stat.st_ino}-{path.name}"
+    target = folder / name
+    if not target.exists():
+        try:
+            os.link(path, target)
+        except OSError:  # another filesystem: one copy on disk
+            shutil.copyfile(path, target)
+    return name
+
+
+_active: list[Spill] = []
+
+
+def active() -> Spill | None:
+    return _active[-1] if _active else None
+
+
+@contextmanager
+def spilling(spill: Spill) -> Iterator[Spill]:
+    _active.append(spill)
+    try:
+        yield spill
+    finally:
+        _active.remove(spill)
+
+
+def as_tensor(name: str, array: np.ndarray) -> ir.TensorProtocol:
+    """An initializer's tensor: spilled to disk when large and a spill is active, else in memory."""
+    spill = active()
+    if spill is not None and array.nbytes >= SPILL_BYTES:
+        return spill.store(name, array)
+    return ir.tensor(_contiguous(array), name=name)
+
+
+def spill_large(model: ir.Model, spill: Spill) -> int:
+    """Moves every large in-memory initializer of `model` to the spill; returns how many moved."""
+    moved = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or is_on_disk(tensor) or tensor.nbytes < SPILL_BYTES:
+            continue
+        value.const_value = spill.store(value.name, tensor.numpy())
+        moved += 1
+    return moved
