@@ -31,3 +31,15 @@ class PassError(MobcError):
 
 class QuantizeError(MobcError):
     """The quantize stage cannot do what the recipe asks."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived: raised from the signal handler so every cleanup (staging folders,
+    locks, scratch space) runs as the stack unwinds. Not a MobcError: nothing catches it by accident."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name

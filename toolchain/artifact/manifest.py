@@ -10,15 +10,17 @@ the JSON records their stages produce.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from toolchain.artifact import chain
+from toolchain.artifact import chain, integrity
+from toolchain.artifact.integrity import sha256_path
 from toolchain.artifact.layout import StepLayout
 from toolchain.errors import ArtifactError
 
@@ -29,12 +31,35 @@ ROPE = "rope.npz"
 FORMAT = "mobc-artifact/1"
 
 
-def sha256_path(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+__all__ = ["sha256_path"]  # re-exported: the compile hashes files through this module
+
+# a compile writes into .NAME.partial-PID and swaps the old artifact out as .NAME.old-PID
+# (toolchain/compile/emit.py); only the compiling process itself may load such a folder
+STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)$")
+
+
+def _staging_owner(folder: Path) -> int | None:
+    for part in Path(os.path.abspath(folder)).parts:
+        if m := STAGING.match(part):
+            return int(m["pid"])
+    return None
+
+
+def _refuse_staging(folder: Path) -> None:
+    pid = _staging_owner(folder)
+    if pid is None or pid == os.getpid():
+        return
+    try:
+        os.kill(pid, 0)
+        running = True
+    except ProcessLookupError:
+        running = False
+    except PermissionError:
+        running = True
+    state = (f"a compile still running (pid {pid}) is writing it: wait for that compile, then use its output"
+             if running else
+             f"its compile (pid {pid}) was interrupted: the next `mobc compile` into that folder removes it")
+    raise ArtifactError(f"{folder} is a staging folder, not a finished mobc artifact; {state}")
 
 
 # manifest dtype names (onnx_ir's, lower case) -> numpy; anything else runs as float32
@@ -154,6 +179,7 @@ class Manifest:
     inspect_tables: list[dict[str, Any]] = field(default_factory=list)  # extra tables for mobc inspect
     hub: dict[str, Any] | None = None  # AI Hub job records by device slug
     files: dict[str, str] = field(default_factory=dict)  # sha256 of every other file
+    sizes: dict[str, int] = field(default_factory=dict)  # bytes of every file in `files` (checked at load)
 
     # ---- graphs as chains -----------------------------------------------------------------
     def families(self) -> list[str]:
@@ -186,19 +212,26 @@ class Manifest:
         """Hashes every other file of the folder into `files`, then writes manifest.json last
         (atomically): its presence marks a complete artifact. `known_sha` skips re-hashing
         files known not to have changed."""
-        files = {}
+        files, sizes = {}, {}
         for p in sorted(folder.rglob("*")):
             if p.is_file() and p.name not in (MANIFEST, REPORT):
                 rel = str(p.relative_to(folder))
-                files[rel] = (known_sha or {}).get(rel) or sha256_path(p)
+                # hashed states are remembered, so loading the artifact later does not hash again
+                files[rel] = (known_sha or {}).get(rel) or integrity.hash_and_remember(p)
+                sizes[rel] = p.stat().st_size
         self.files = files
+        self.sizes = sizes
         tmp = folder / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
         tmp.rename(folder / MANIFEST)
 
     @classmethod
-    def load(cls, folder: str | Path) -> Manifest:
+    def load(cls, folder: str | Path, check_files: bool = True) -> Manifest:
+        """The artifact's manifest; with check_files (every command that uses the artifact's
+        files), also checks every file's size, and its sha256 once per file state
+        (toolchain/artifact/integrity.py): a damaged artifact is an ArtifactError naming the file."""
         folder = Path(folder)
+        _refuse_staging(folder)
         if not folder.is_dir():
             raise ArtifactError(f"{folder} is not a folder; give an artifact folder written by `mobc compile`")
         path = folder / MANIFEST
@@ -209,18 +242,22 @@ class Manifest:
             )
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ArtifactError(f"{path} is not valid JSON ({exc}); recompile the recipe") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             got = data.get("format") if isinstance(data, dict) else None
             raise ArtifactError(f"{path} has format {got!r}, expected {FORMAT}; recompile")
-        return cls.from_json(data, path)
+        manifest = cls.from_json(data, path)
+        if check_files:
+            integrity.check_files(folder, manifest)
+        return manifest
 
     def changed_files(self, folder: Path) -> list[str]:
-        """Names of files whose sha256 no longer matches the manifest (or that are missing)."""
+        """Names of files whose sha256 no longer matches the manifest (or that are missing); every
+        file is hashed again (`mobc verify`), and the verified states are remembered."""
         bad = []
         for rel, digest in self.files.items():
             p = folder / rel
-            if not p.is_file() or sha256_path(p) != digest:
+            if not p.is_file() or integrity.hash_and_remember(p) != digest:
                 bad.append(rel)
         return bad

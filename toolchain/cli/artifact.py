@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from toolchain.cli.common import console
 
@@ -17,17 +18,17 @@ class RichReporter:
         self._status = None
 
     def start(self, stage: str) -> None:
-        self._status = console.status(f"[bold]{stage}[/]...")
+        self._status = console.status(f"[bold]{escape(stage)}[/]...")
         self._status.start()
 
     def done(self, stage: str, seconds: float, detail: str = "") -> None:
         if self._status is not None:
             self._status.stop()
-        extra = f" [dim]{detail}[/]" if detail else ""
-        console.print(f"[green]✓[/] {stage}{extra} [dim]({seconds:.1f} s)[/]")
+        extra = f" [dim]{escape(detail)}[/]" if detail else ""
+        console.print(f"[green]✓[/] {escape(stage)}{extra} [dim]({seconds:.1f} s)[/]")
 
     def note(self, message: str) -> None:
-        console.print(f"  [dim]{message}[/]", highlight=False)
+        console.print(f"  [dim]{escape(message)}[/]", highlight=False)
 
     def stop(self) -> None:
         if self._status is not None:
@@ -62,6 +63,7 @@ def compile_cmd(
 
 def inspect(artifact: Path = typer.Argument(..., help="artifact folder written by mobc compile")) -> None:
     """Show an artifact's graphs, I/O, sizes, passes and verification as tables."""
+    from toolchain.artifact import integrity
     from toolchain.artifact.manifest import Manifest
     from toolchain.compile.report import (
         graphs_rows,
@@ -73,7 +75,11 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder written b
         verification_rows,
     )
 
-    m = Manifest.load(artifact)
+    m = Manifest.load(artifact, check_files=False)
+    damaged = integrity.damaged_files(artifact, m)  # shown, then an error: inspect is how users look at it
+    if damaged:
+        console.print(f"[bold red]warning:[/] {escape('; '.join(damaged))}: the records below describe the "
+                      "files as compiled, not as they are now")
     console.print(f"[bold]{m.name}[/]  source {m.source['description']}  ({m.model.family}, "
                   f"{m.model.n_layers} layers, weights {m.weights['bytes'] / 1e6:,.1f} MB shared)")
     console.print(rich_table("Graphs", graphs_rows(m)))
@@ -87,8 +93,12 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder written b
     console.print(rich_table("Verification against transformers", verification_rows(m)))
     greedy = (m.verification or {}).get("greedy")
     if greedy:
-        console.print(f"greedy {greedy['tokens']} tokens: "
-                      + ("[green]identical to generate[/]" if greedy["identical"] else "[red]diverges[/]"))
+        if damaged:
+            console.print(f"greedy {greedy['tokens']} tokens: [yellow]recorded at compile; files changed since, "
+                          "so this no longer holds[/]")
+        else:
+            console.print(f"greedy {greedy['tokens']} tokens: "
+                          + ("[green]identical to generate[/]" if greedy["identical"] else "[red]diverges[/]"))
     if m.passes:
         console.print(rich_table("Passes", pass_rows(m.passes)))
     if m.qnn:
@@ -96,6 +106,8 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder written b
     for extra in m.inspect_tables:
         console.print(rich_table(extra["title"], (extra["head"], extra["rows"])))
     console.print(rich_table("Timings", timing_rows(m)))
+    if damaged:
+        integrity.check_files(artifact, m)  # exit 2 with the damaged files and the fix
 
 
 def verify(artifact: Path = typer.Argument(..., help="artifact folder written by mobc compile")) -> None:

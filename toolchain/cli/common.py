@@ -10,6 +10,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from toolchain.errors import MobcError
 
@@ -23,8 +24,14 @@ EP_OPTION = typer.Option([], "--ep-option", help="provider option key=value (rep
 
 
 def log(message: str) -> None:
-    """Progress of a long command, dim on stderr (stdout keeps the results)."""
-    err.print(f"[dim]{message}[/]")
+    """Progress of a long command, dim on stderr (stdout keeps the results), printed literally."""
+    err.print(Text(message, style="dim"), highlight=False)
+
+
+def print_error(message: str) -> None:
+    """A user error on stderr, printed literally: brackets in a message (a name pattern `^[a-z]*$`,
+    a recipe fix `{targets: [q_proj], max_rank: 16}`) are text, never rich markup."""
+    err.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True)
 
 
 def ep_options(items: list[str]) -> dict[str, str]:

@@ -7,13 +7,14 @@ Command modules import their heavy dependencies inside the commands, so `mobc --
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
 
 from toolchain.cli import adapter, artifact, bench, evaluate, hub, run, train
-from toolchain.cli.common import err
-from toolchain.errors import MobcError
+from toolchain.cli.common import err, print_error
+from toolchain.errors import Interrupted, MobcError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compile Hugging Face LMs into verified NPU step graphs and decode them fast.")
@@ -36,17 +37,30 @@ app.add_typer(adapter.app, name="adapter")
 app.add_typer(hub.app, name="hub")
 
 
+def _on_signal(signum: int, frame: object) -> None:
+    # a second Ctrl-C must not cut the cleanup short; SIGKILL still stops everything (and the next
+    # compile sweeps what that leaves)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 def main() -> None:
+    # SIGTERM (timeout, CI cancellation) and SIGINT unwind as an exception, so staging folders,
+    # locks and scratch space are removed on the way out (typer would swallow a KeyboardInterrupt)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
     try:
         app()
     except MobcError as exc:
         if _state["debug"]:
             raise
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         sys.exit(2)
-    except KeyboardInterrupt:
-        err.print("[red]interrupted[/]")
-        sys.exit(130)
+    except Interrupted as exc:
+        err.print(f"interrupted by {exc.name}: stopped, and removed what it had half written", markup=False,
+                  highlight=False)
+        sys.exit(128 + exc.signum)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -12,17 +13,21 @@ import typer
 from toolchain.cli.common import EP_OPTION, PROVIDER, THREADS, console, err, load_models
 from toolchain.errors import MobcError
 
+DEFAULT_NEW_TOKENS = 128
+
 
 def run(
     artifact: Path = typer.Argument(..., help="artifact folder written by mobc compile"),
     prompt: str = typer.Option(..., "--prompt", help="text to continue"),
     policy: str = typer.Option("ar", "--policy", help="ar or chain"),
     draft: Path | None = typer.Option(None, "--draft", help="draft artifact folder (policy chain)"),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", min=1, help=f"default: {DEFAULT_NEW_TOKENS}, or what the context has room for"
+    ),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
-    gamma: int = typer.Option(4, "--gamma", help="draft tokens per verify call (chain)"),
+    gamma: int = typer.Option(4, "--gamma", min=1, help="draft tokens per verify call (chain)"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", min=0),
     adapter: list[str] = typer.Option([], "--adapter", help="packed LoRA adapter name or .npz (repeatable: "
                                       "one per style with --policy ctg)"),
     forecast: Path | None = typer.Option(None, "--forecast", help="ds2d forecast embeddings (default: ARTIFACT/forecast.npz)"),
@@ -33,6 +38,8 @@ def run(
     """Generate text with a decoding policy and stream it to stdout."""
     from toolchain.runtime.policies import Sampler, make_policy
 
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise MobcError(f"--temperature {temperature}: give 0 for greedy decoding or a positive number to sample")
     target, drafter = load_models(artifact, draft, provider, threads, ep_option)
     options = {}
     if adapter or policy in ("ctg", "ds2d"):  # adapters bound per request, ctg styles, ds2d forecasts
@@ -45,6 +52,8 @@ def run(
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = tok(prompt).input_ids
+    max_new_tokens = fit_new_tokens(ids, max_new_tokens, target.context, prompt)
+    if not chat:
         if policy == "ctg":  # K styles: printed one after another, not streamed
             return print_styles(pol, ids, prompt, max_new_tokens, Sampler(temperature, seed))
         sys.stdout.write(prompt)
@@ -59,12 +68,33 @@ def run(
         shown = text
     wall = time.perf_counter() - t
     s = pol.stats
+    if len(out) < max_new_tokens and not (out and out[-1] in target.eos_ids):
+        err.print(f"\nstopped after {len(out)} of {max_new_tokens} new tokens: the context of "
+                  f"{target.context} tokens is full (compile a larger context for longer outputs)",
+                  markup=False, highlight=False)
     decode = max(wall - s.prefill_seconds, 1e-9)
     extra = ""
     if s.accepted:
         extra = f", {s.tokens / max(s.n_target_calls, 1):.2f} tokens per target call"
     err.print(f"\n[dim]{s.tokens} tokens, {s.tokens / decode:.1f} tok/s decode, "
               f"prefill {s.prefill_seconds * 1e3:.0f} ms{extra}[/]")
+
+
+def fit_new_tokens(ids: list[int], asked: int | None, context: int, prompt: str) -> int:
+    """--max-new-tokens checked against the prompt and the artifact's context (default: what fits)."""
+    if not ids:
+        raise MobcError(f"--prompt {prompt!r} has no tokens: give some text to continue (or use --chat)")
+    room = context - len(ids)
+    if room < 1:
+        raise MobcError(f"the prompt is {len(ids)} tokens and this artifact's context is {context}, which leaves "
+                        "no room for new tokens: shorten the prompt or compile the recipe with a larger context")
+    if asked is None:
+        return min(DEFAULT_NEW_TOKENS, room)
+    if asked > room:
+        raise MobcError(f"--max-new-tokens {asked}: the prompt ({len(ids)} tokens) leaves room for {room} new "
+                        f"tokens in this artifact's context of {context}; ask for at most {room} or compile "
+                        "the recipe with a larger context")
+    return asked
 
 
 def policy_options(model: Any, policy: str, adapters: list[str], forecast: Path | None) -> dict[str, Any]:

@@ -8,9 +8,15 @@ second width costs kilobytes of graph, not another copy of the model.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import json
 import os
+import re
 import shutil
+import signal
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,7 +24,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from toolchain.artifact.manifest import ROPE, WEIGHTS, GraphRecord, IOSpec, sha256_path
+from toolchain.artifact.manifest import MANIFEST, ROPE, WEIGHTS, GraphRecord, IOSpec, sha256_path
 from toolchain.errors import ArtifactError
 from toolchain.ir.graph import weight_bytes
 from toolchain.ir.graphset import GraphEntry, GraphSet
@@ -75,26 +81,198 @@ def io_specs(values: Any) -> list[IOSpec]:
     ]
 
 
+# staging and backup folders beside an output: .NAME.partial-PID (being written), .NAME.old-PID (the
+# artifact being replaced, for the instant of the swap). A compile locks its output from its first
+# check to the swap with a lock file in the user cache (nothing is left beside the output when a
+# compile fails before it stages; the lock goes with the process at the latest)
+_PARKED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)$")
+_CLAIMS: dict[Path, int] = {}  # outputs this process holds the lock of -> the lock file's descriptor
+
+
+def output_path(out_dir: Path) -> Path:
+    """The absolute output path with its last component not resolved (a symlink stays a symlink)."""
+    out = Path(os.path.abspath(out_dir))
+    if not out.name or out == out.parent:
+        raise ArtifactError(f"--out {out_dir}: give a folder for the artifact, not a filesystem root")
+    return out.parent.resolve() / out.name
+
+
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def describe(path: Path) -> str:
+    """What is at `path`, in a few words (for refusing to replace it)."""
+    if path.is_symlink():
+        return f"a symbolic link to {os.readlink(path)}"
+    if not path.is_dir():
+        return f"a file of {path.stat().st_size:,} bytes" if path.exists() else "not a folder"
+    names = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    entries = f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}"
+    return f"a folder with {entries} ({shown}) and no mobc manifest"
+
+
+def is_artifact(folder: Path) -> bool:
+    """A real folder whose manifest.json is a mobc manifest (what --force may replace)."""
+    path = folder / MANIFEST
+    if folder.is_symlink() or not folder.is_dir() or path.is_symlink() or not path.is_file():
+        return False
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and str(data.get("format", "")).startswith("mobc-artifact/")
+
+
+def check_replaceable(out: Path, force: bool) -> None:
+    """Raises unless out is absent, or (with force) an empty folder or a mobc artifact."""
+    if not os.path.lexists(out):
+        return
+    empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    if empty or is_artifact(out):
+        if not force:
+            raise ArtifactError(f"{out} already exists; pass --force to replace it (or --out another folder)")
+        return
+    raise ArtifactError(
+        f"{out} already exists and is not a mobc artifact: it is {describe(out)}. mobc replaces only "
+        "artifact folders it wrote (or empty folders), even with --force; choose another --out or move it away"
+    )
+
+
+def sweep_stale(parent: Path) -> list[Path]:
+    """Removes the staging folders of compiles whose process is gone (killed, crashed) from `parent`; a
+    backup (.NAME.old-PID) whose swap was cut short goes back in place if NAME is missing."""
+    swept = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return swept
+    for p in entries:
+        m = _PARKED.match(p.name)
+        if not m or pid_alive(int(m["pid"])) or p.is_symlink() or not p.is_dir():
+            continue
+        target = parent / m["name"]
+        try:
+            if m["kind"] == "old" and not os.path.lexists(target):
+                p.rename(target)
+            else:
+                shutil.rmtree(p)
+                swept.append(p)
+        except OSError:
+            pass  # someone else's folder we may not remove: leave it
+    return swept
+
+
+def _lock_path(out: Path) -> Path:
+    root = Path(os.environ.get("MOBC_CACHE", Path.home() / ".cache" / "mobc")) / "locks"
+    root.mkdir(parents=True, exist_ok=True)
+    return root / (hashlib.sha256(str(out).encode()).hexdigest()[:24] + ".lock")
+
+
+def _lock(out: Path) -> int | None:
+    try:
+        path = _lock_path(out)
+    except OSError:
+        return None  # no writable cache: compile unlocked rather than not at all
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ArtifactError(
+                f"another mobc compile (pid {holder}) is writing {out}; wait for it to finish or --out another folder"
+            ) from None
+        try:  # the holder before us may have removed the file after we opened it: lock the current one
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+            return fd
+        os.close(fd)
+
+
+def release(out: Path) -> None:
+    """Gives up this process's lock on `out` (removing the lock file first, then unlocking)."""
+    fd = _CLAIMS.pop(out, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(_lock_path(out))
+        os.close(fd)
+
+
+def claim_output(out_dir: Path, force: bool) -> Path:
+    """Before any work: checks that out_dir may be (re)placed, sweeps dead compiles' staging folders
+    beside it and locks it against concurrent compiles. Returns the normalized output path; the
+    lock is released by `staging` (or when the process ends)."""
+    out = output_path(out_dir)
+    check_replaceable(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(out.parent)
+    if out not in _CLAIMS and (fd := _lock(out)) is not None:
+        _CLAIMS[out] = fd
+    return out
+
+
 @contextmanager
 def staging(out_dir: Path, force: bool):
-    """Yields a temporary folder; on success it replaces out_dir atomically, else it is removed."""
-    out_dir = out_dir.resolve()
-    if out_dir.exists() and not force:
-        raise ArtifactError(f"{out_dir} already exists; pass --force to replace it (or --out another folder)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    """Yields a temporary folder; on success it replaces out_dir atomically, else it is removed.
+
+    Only an absent output, an empty folder or a mobc artifact is replaced (never a user's folder,
+    a file or a symlink's target); the swap runs with SIGINT/SIGTERM held back so an interrupt
+    never lands between moving the old artifact aside and moving the new one in."""
+    out = claim_output(out_dir, force)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        yield tmp
-    except BaseException:
+        if tmp.is_symlink():
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        with _signals_held():
+            check_replaceable(out, force)  # the output may have changed during the compile
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            if os.path.lexists(out):
+                out.rename(old)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                if os.path.lexists(old):
+                    old.rename(out)
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        release(out)
+
+
+@contextmanager
+def _signals_held():
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        if main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
 
 
 def write_graphs(folder: Path, graphs: GraphSet) -> tuple[list[GraphRecord], dict[str, Any]]:

@@ -200,10 +200,11 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
     recipe = load_recipe(recipe_path)
     pass_registry.check_order(list(recipe.passes))  # bad names, options or order fail before any work
     out_dir = Path(out) if out else recipe.output_dir()
-    if out_dir.exists() and not force:
-        from toolchain.errors import ArtifactError
+    from toolchain.compile.emit import claim_output
 
-        raise ArtifactError(f"{out_dir} already exists; pass --force to replace it (or --out another folder)")
+    # refuses anything but an absent/empty folder or (with --force) an artifact; sweeps dead compiles' staging
+    # folders beside it; locks out_dir against a concurrent compile until the swap into place
+    claim_output(out_dir, force)
 
     with timer.stage("load model", recipe.source.describe()):
         loaded = load(recipe.source, base=recipe_path.parent, stream=True)

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from toolchain.errors import RecipeError
+from toolchain.errors import RecipeError, SourceError
 from toolchain.qnn.context import QnnSpec
 from toolchain.quantize.schema import QuantizeSpec
 
@@ -33,6 +33,8 @@ class SourceSpec(_Strict):
     gguf: str | None = Field(None, description="a local .gguf file")
     hub: str | None = Field(None, description="a hub id already in the local Hugging Face cache")
     revision: str | None = Field(None, description="cache revision for `hub` (default: the cached main)")
+    made_by: str | None = Field(None, description="for a model mobc trains itself: the command that makes it "
+                                "and how long it takes (shown when the model is not there yet)")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> SourceSpec:
@@ -164,13 +166,42 @@ def parse_recipe(data: Any, origin: str = "recipe") -> Recipe:
 
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.yaml"))[:3]
+        hint = f" (it holds {', '.join(found)})" if found else ""
+        raise RecipeError(f"{path} is a folder, not a recipe file{hint}; pass the path of a YAML recipe")
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist; pass the path of a YAML recipe (see recipes/)")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path} is not a text file (byte {exc.start} is not UTF-8); a recipe is YAML text, "
+                          "see recipes/ for examples") from None
+    except OSError as exc:
+        raise RecipeError(f"cannot read the recipe {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path} is not valid YAML: {exc}") from None
-    return parse_recipe(data, origin=str(path))
+    except RecursionError:
+        raise RecipeError(f"{path} nests too deeply to be a recipe; see recipes/ for the layout") from None
+    recipe = parse_recipe(data, origin=str(path))
+    check_made_source(recipe, path.parent)
+    return recipe
+
+
+def check_made_source(recipe: Recipe, base: Path) -> None:
+    """A source that mobc trains itself (source.made_by) and is not there yet: say how to make it."""
+    src = recipe.source
+    if not (src.made_by and src.path):
+        return
+    folder = Path(src.path).expanduser()
+    folder = folder if folder.is_absolute() else base / folder
+    if not folder.is_dir():
+        raise SourceError(
+            f"source.path: {folder} does not exist yet: it is a model mobc trains itself. Make it with "
+            f"{src.made_by.strip()}; then compile this recipe again"
+        )
 
 
 def check_against_model(recipe: Recipe, max_positions: int | None) -> None:

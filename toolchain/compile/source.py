@@ -13,6 +13,7 @@ import importlib.util
 import io
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,7 +233,7 @@ def _load_full(spec: SourceSpec, folder: Path, gguf: str | None, cached: Path) -
             tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     except (UnsupportedModelError, SourceError):
         raise
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, struct.error) as exc:  # struct.error: a truncated .gguf
         raise SourceError(f"source {spec.describe()}: could not load the model offline: {exc}") from None
     check_architecture(model.config)
     model.eval()

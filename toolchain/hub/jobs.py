@@ -108,8 +108,10 @@ def stage_graph(artifact: Path, graph: GraphRecord, tmp: Path, with_encodings: b
 
 
 def _load(artifact: Path, client: HubClient) -> Manifest:
-    client.check_configured()  # first: a missing token must fail before any other work
+    # first the artifact (local, instant: a folder that is no artifact is named as such), then the token,
+    # before any upload
     manifest = Manifest.load(artifact)
+    client.check_configured()
     missing = [g.file for g in manifest.graphs if not (artifact / g.file).is_file()]
     if missing:
         raise ArtifactError(f"{artifact}: graph files missing: {', '.join(missing)}; recompile the recipe")

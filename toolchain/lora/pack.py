@@ -34,12 +34,22 @@ def _read_peft(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     cfg_path = folder / "adapter_config.json"
     if not cfg_path.is_file():
         raise AdapterError(f"{folder} has no adapter_config.json: give a folder written by PEFT's save_pretrained")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise AdapterError(f"{cfg_path} is not valid JSON ({exc}); give a folder written by PEFT's "
+                           "save_pretrained") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cfg_path} holds a JSON {type(cfg).__name__}, not PEFT's adapter config object")
     st = folder / "adapter_model.safetensors"
     if st.is_file():
         from safetensors.numpy import load_file
 
-        tensors = load_file(str(st))
+        try:
+            tensors = load_file(str(st))
+        except Exception as exc:  # safetensors raises its own SafetensorError on a damaged file
+            raise AdapterError(f"{st} is not a readable safetensors file ({exc}); save the adapter again with "
+                               "PEFT's save_pretrained") from None
     elif (folder / "adapter_model.bin").is_file():
         import torch
 

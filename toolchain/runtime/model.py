@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from toolchain.artifact import integrity
 from toolchain.artifact.chain import optional_zeros
 from toolchain.errors import ArtifactError
 from toolchain.runtime.cache import KVCache
@@ -30,7 +31,11 @@ class StepModel:
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
                  provider_options: dict[str, str] | None = None, io_binding: bool = True):
         self.folder = Path(folder)
-        self.sessions = ArtifactSessions(folder, provider, threads, provider_options)
+        # sizes are checked now; weights not verified before are hashed while the sessions start
+        # (toolchain/artifact/integrity.py) and the first call waits for that check
+        with integrity.deferred_hashing() as pending:
+            self.sessions = ArtifactSessions(folder, provider, threads, provider_options)
+        self._integrity = pending
         self.manifest = self.sessions.manifest
         self.name: str = self.manifest.name
         self.widths: dict[str, int] = {}
@@ -121,15 +126,19 @@ class StepModel:
         width = self.widths[family]
         extra = self.extra_inputs(family)
         t = time.perf_counter()
-        if self.io_binding:
-            feeds = self.cache.fill(tokens, width, allowed_new, depths, past_allowed=past_allowed)
-            if family not in self._bound:
-                self._bound[family] = self.sessions.bind(family, {**feeds, **extra})
-            outs = self._bound[family].run()
-        else:
-            feeds = self.cache.step_inputs(tokens, width, allowed_new, depths, past_allowed=past_allowed)
-            feeds.update(extra)
-            outs = self.sessions.run_family(family, feeds)
+        try:
+            if self.io_binding:
+                feeds = self.cache.fill(tokens, width, allowed_new, depths, past_allowed=past_allowed)
+                if family not in self._bound:
+                    self._bound[family] = self.sessions.bind(family, {**feeds, **extra})
+                outs = self._bound[family].run()
+            else:
+                feeds = self.cache.step_inputs(tokens, width, allowed_new, depths, past_allowed=past_allowed)
+                feeds.update(extra)
+                outs = self.sessions.run_family(family, feeds)
+        finally:
+            while self._integrity:  # the first call: a damaged file wins over any result or error
+                self._integrity.pop().wait()
         self.seconds[family] += time.perf_counter() - t
         self.calls[family] += 1
         self._last = (family, outs)

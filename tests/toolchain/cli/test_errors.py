@@ -1,0 +1,128 @@
+"""Hostile inputs end in one clear message and exit code 2, printed literally (issue 17, cases 4-8
+and 10-13; 1-3 and 9 are in tests/toolchain/compile/test_emit.py and artifact/test_integrity.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tests.cli_main import run_main
+
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+
+
+def _gguf_recipe(tmp_path: Path, blob: bytes) -> Path:
+    (tmp_path / "model.gguf").write_bytes(blob)
+    recipe = tmp_path / "g.yaml"
+    recipe.write_text(f"name: g\nsource: {{gguf: {tmp_path / 'model.gguf'}}}\n"
+                      f"graphs: {{decode: {{width: 1, context: 8}}}}\noutput: {tmp_path / 'out'}\n")
+    return recipe
+
+
+def test_case04_binary_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary")
+    r = run_main("compile", recipe)
+    assert r.clean_error, r.err
+    assert "is not a text file" in r.err
+
+
+def test_case05_truncated_or_garbage_gguf(tmp_path):
+    truncated = b"GGUF\x03\x00\x00\x00\x05"  # the magic and version, then nothing
+    r = run_main("compile", _gguf_recipe(tmp_path, truncated))
+    assert r.clean_error, r.err
+    assert "source gguf:" in r.err and "could not load the model" in r.err
+    r = run_main("compile", _gguf_recipe(tmp_path, b"\x00" * 64))
+    assert r.clean_error and "GGUF" in r.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_case06_empty_prompt(tiny_artifact):
+    r = run_main("run", tiny_artifact, "--prompt", "")
+    assert r.clean_error, r.err
+    assert "--prompt '' has no tokens" in r.err
+
+
+def test_case07_negative_or_nan_temperature(tiny_artifact):
+    for value in ("-1", "nan"):
+        r = run_main("run", tiny_artifact, "--prompt", "hi", "--temperature", value)
+        assert r.clean_error, r.err
+        assert f"--temperature {float(value)}" in r.err
+
+
+def test_case08_adapter_config_that_is_not_json(artifact_copy, tmp_path):
+    manifest = json.loads((artifact_copy / "manifest.json").read_text())
+    manifest["passes"].append({"pass": "lora_inputs",  # as if compiled with lora_inputs (not read further)
+                               "options": {"targets": ["q_proj"], "max_rank": 4, "slots": 1}})
+    (artifact_copy / "manifest.json").write_text(json.dumps(manifest))
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text("{'r': 8,")  # Python, not JSON
+    r = run_main("adapter", "pack", artifact_copy, peft)
+    assert r.clean_error, r.err
+    assert "adapter_config.json is not valid JSON" in r.err
+
+
+def test_case10_brackets_print_literally(tiny_artifact, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: Bad Name\nsource: {path: x}\ngraphs: {decode: {width: 1, context: 8}}\n")
+    r = run_main("compile", recipe)
+    assert r.clean_error, r.err
+    assert "^[a-z0-9][a-z0-9._-]*$" in r.err
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    r = run_main("adapter", "pack", tiny_artifact, peft)  # compiled without lora_inputs: the fix is shown
+    assert r.clean_error, r.err
+    assert "{targets: [q_proj, v_proj], max_rank: 16}" in r.err
+
+
+def test_case11_recipe_path_that_is_a_folder(tmp_path):
+    r = run_main("compile", tmp_path)
+    assert r.clean_error, r.err
+    assert "is a folder, not a recipe file" in r.err and "does not exist" not in r.err
+
+
+def test_case12_recipes_of_models_mobc_trains_say_how_to_make_them(tmp_path):
+    """On a fresh checkout these sources do not exist: the message names the `mobc train` command and
+    how long it runs (copies in tmp_path: the relative paths resolve where nothing was trained)."""
+    for name, command in (("smollm2-135m-diffusion.yaml", "mobc train diffusion"),
+                          ("smollm2-135m-draft.yaml", "mobc train draft"),
+                          ("smollm2-135m-draft-lever.yaml", "mobc train draft")):
+        (tmp_path / "recipes").mkdir(exist_ok=True)
+        recipe = shutil.copy(RECIPES / name, tmp_path / "recipes" / name)
+        r = run_main("compile", recipe)
+        assert r.clean_error, r.err
+        assert "does not exist yet" in r.err and command in r.err and "minutes" in r.err
+
+
+def test_case13_max_new_tokens_beyond_the_context(tiny_artifact):
+    r = run_main("run", tiny_artifact, "--prompt", "def f(x):", "--max-new-tokens", "100")
+    assert r.clean_error, r.err
+    assert "--max-new-tokens 100" in r.err and "context of 32" in r.err
+    r = run_main("run", tiny_artifact, "--prompt", "def f(x):")  # the default fits what there is room for
+    assert r.code == 0, r.err
+
+
+def test_case13_verify_prints_no_check_mark_for_a_failed_checksum(artifact_copy):
+    with open(artifact_copy / "decode.onnx", "ab") as f:
+        f.write(b"\0")
+    r = run_main("verify", artifact_copy)
+    assert r.clean_error, r.err
+    assert "decode.onnx" in r.err and "✓ file checksums" not in r.out + r.err
+
+
+def test_case13_inspect_warns_on_a_tampered_artifact(artifact_copy):
+    with open(artifact_copy / "weights.bin", "r+b") as f:
+        f.write(b"\1\2\3\4")
+    r = run_main("inspect", artifact_copy)
+    assert r.clean_error, r.err
+    assert "warning:" in r.out and "weights.bin changed since the compile" in r.out + r.err
+    assert "identical to generate" not in r.out
+
+
+def test_case13_hub_compile_on_a_folder_that_is_not_an_artifact(tmp_path, monkeypatch):
+    monkeypatch.setenv("QAIHUB_CLIENT_INI", str(tmp_path / "missing.ini"))  # and no token either
+    r = run_main("hub", "compile", tmp_path)
+    assert r.clean_error, r.err
+    assert "no manifest.json" in r.err and "token" not in r.err
