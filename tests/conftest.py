@@ -52,6 +52,19 @@ def tree_artifacts(tmp_path_factory):
     return compile_recipe(target).out_dir, compile_recipe(draft).out_dir
 
 
+
+@pytest.fixture(scope="session")
+def near_draft(tmp_path_factory):
+    """A draft artifact for any seed-0 tiny llama target: that target plus weight noise (tests/tiny.py
+    save_near_tiny), with tree width 4 for lever and ahasd; acceptance is partial, not all or nothing."""
+    from tests.tiny import save_near_tiny, write_recipe
+    from toolchain.compile.pipeline import compile_recipe
+
+    root = tmp_path_factory.mktemp("near_draft")
+    recipe = write_recipe(root / "n.yaml", save_near_tiny(root / "hf", "llama"), name="near-draft",
+                          graphs=TREE_BASE + "  tree4: {width: 4, context: 64, role: tree}\n")
+    return compile_recipe(recipe).out_dir
+
 def pytest_runtest_setup(item):
     """qnn-marked tests need onnxruntime-qnn. Where it is a declared dependency (Linux x86_64) a
     missing backend fails them; elsewhere (no wheel, or not declared) they skip."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import tiny_tokenizer
+from tests.toolchain.runtime.speculative import assert_cache_holds
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
 from toolchain.runtime.policies.lever import Lever, LeverConfig
@@ -127,6 +128,32 @@ def test_greedy_lever_equals_ar(artifacts, draft_kind, logits):
         assert max(lever.stats.tree_nodes) > 2
         if draft_kind == "self":  # a draft equal to the target: the greedy backbone is always accepted
             assert sum(lever.stats.accepted) >= len(ref) // 2
+
+
+def test_lever_with_a_near_draft_accepts_partly_and_keeps_only_the_accepted_path(artifacts, near_draft):
+    """A draft that agrees about half the time: cycles accept some, none or a whole branch; after
+    every cycle the draft cache holds exactly the committed text (scratch rows of rejected branches
+    gone, accepted rows moved down) and the target's too; the output is ar's."""
+    target_dir, _ = artifacts
+    target, draft = StepModel(target_dir), StepModel(near_draft)
+    ar = make_policy("ar", target)
+    lever = Lever(target, draft, LeverConfig(top_k=3), prices=(FixedPrices(1.0), FixedPrices(0.01)))
+    accepted: list[int] = []
+    for prompt in PROMPTS:
+        ids = tiny_tokenizer()(prompt).input_ids
+        ref = run(ar, ids, 32)  # past the budget: the last cycle's tree is not cut at it
+        out: list[int] = []
+        for chunk in lever.generate(ids, 24, Sampler()):
+            out += chunk
+            # measured: the last cycle's accepted path can run past the budget; the emitted text is clipped
+            # but the caches keep those (correct) rows
+            last = len(out) == 24
+            assert_cache_holds(draft, ids + ref, None if last else len(ids + out))
+            assert_cache_holds(target, ids + ref, None if last else len(ids + out))
+        assert out == ref[:24], prompt
+        accepted += lever.stats.accepted
+    assert 0 in accepted and max(accepted) >= 2, accepted
+    assert sum(a > 0 for a in accepted) >= len(accepted) // 3, accepted
 
 
 def test_context_exhaustion_finishes_like_ar(artifacts):
