@@ -1,4 +1,4 @@
-"""`mobc bench decode|lever|diffusion|ctg|ds2d`: each policy family against its baseline, as tables."""
+"""`mobc bench decode|lever|diffusion|ctg|ds2d|compile`: each policy family against its baseline, as tables."""
 
 from __future__ import annotations
 
@@ -291,3 +291,44 @@ def bench_ds2d_cmd(
                   f"{res['identical']}/{res['prompts']}")
     console.print(table)
     write_json(json_out, res)
+
+
+@app.command("compile")
+def bench_compile(
+    sizes: str = typer.Option("0.1b,0.5b,1.2b", "--sizes", help="comma-separated shapes: 0.1b,0.5b,1.2b,3b,8b"),
+    variants: str = typer.Option("npu", "--variants", help="npu (the NPU pass list) and/or w4a16"),
+    work: Path = typer.Option(Path("build/bench-compile"), "--work", help="checkpoints, recipes, logs, artifacts"),
+    context: int = typer.Option(1024, "--context", help="CL of the decode and prefill graphs"),
+    prefill: int = typer.Option(128, "--prefill", help="width of the prefill graph"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """Compile random-weight Llamas of growing size; print wall time, peak RSS and peak/weights per size."""
+    from toolchain.bench.checkpoints import SHAPES
+    from toolchain.bench.compile_scale import bench, chart
+
+    names = [s.strip() for s in sizes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        err(f"--sizes: unknown {unknown}; known: {', '.join(SHAPES)}")
+        raise typer.Exit(2)
+    kinds = [v.strip() for v in variants.split(",") if v.strip()]
+    if not kinds or any(v not in ("npu", "w4a16") for v in kinds):
+        err(f"--variants: {variants!r}; give npu and/or w4a16")
+        raise typer.Exit(2)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = bench(names, kinds, work, context, prefill, log=log)
+    table = Table(title=f"compile cost vs model size (random-weight Llamas, decode N=1 + prefill N={prefill}, CL={context})")
+    for col in ("size", "variant", "params", "fp32 weights", "wall s", "peak RSS", "peak / weights",
+                "max |logits diff|", "greedy", "exit"):
+        table.add_column(col, justify="left" if col in ("size", "variant") else "right")
+    for r in rows:
+        table.add_row(r["size"], r["variant"], f"{r['parameters'] / 1e9:.2f}B", f"{r['fp32_weight_bytes'] / 1e9:.2f} GB",
+                      f"{r['seconds']:.0f}", f"{r['peak_rss_bytes'] / 1e9:.2f} GB", f"{r['peak_over_weights']:.2f}x",
+                      fmt(r.get("logits_max_abs"), ".2e"), {True: "identical", False: "DIFFERS"}.get(r.get("greedy_identical"), "—"),
+                      str(r["exit_code"]))
+    console.print(table)
+    png = chart(rows, work / "compile_scale.png")
+    console.print(f"chart: {png}")
+    write_json(json_out, {"rows": rows})
+    if any(r["exit_code"] for r in rows):
+        raise typer.Exit(1)

@@ -195,8 +195,6 @@ def run_passes(
     before = _run_all(graphset, feeds)
     for p in passes:
         name = p.pass_name
-        if progress:
-            progress(f"pass {name}")
         ops_before, bytes_before = _stats(graphset)
         graphs_before = sorted(graphset.entries)
         t0 = time.perf_counter()
@@ -223,6 +221,9 @@ def run_passes(
             for out, v in d.items():
                 if v >= worst:
                     worst_fam, worst_out, worst = fam, out, v
+        if progress:
+            progress(f"{name}: {len(graphset.entries)} graphs, worst |diff| {worst:.2g} ({worst_fam}.{worst_out}), "
+                     f"{time.perf_counter() - t0:.0f} s with its check")
         options = p.config.model_dump(mode="json") if hasattr(p, "config") else {}
         rows.append(
             {

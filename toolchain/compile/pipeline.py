@@ -23,8 +23,8 @@ from toolchain.artifact.manifest import Manifest, ModelInfo
 from toolchain.compile.capture import layout_for, rope_tables
 from toolchain.compile.emit import staging, write_graphs, write_rope
 from toolchain.compile.export import StoredWeights, export_step_graph
-from toolchain.compile.recipe import Recipe, check_against_model, load_recipe
 from toolchain.compile.pass_runner import RUN_PART_BYTES, run_passes
+from toolchain.compile.recipe import Recipe, check_against_model, load_recipe
 from toolchain.compile.report import write_report
 from toolchain.compile.source import LoadedModel, load
 from toolchain.compile.verify import (
@@ -230,7 +230,7 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
     if recipe.passes:
         with timer.stage(f"passes ({len(recipe.passes)})"):
             graphs, pass_rows = run_passes(graphs, list(recipe.passes), recipe.tolerance.max_abs,
-                                           {f: c.feeds for f, c in cases.items()})
+                                           {f: c.feeds for f, c in cases.items()}, progress=timer.reporter.note)
 
     with staging(out_dir, force) as tmp:
         with timer.stage("emit"):

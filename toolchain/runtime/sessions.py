@@ -67,8 +67,10 @@ class ArtifactSessions:
                 self._sessions[name] = qnn.session(path, provider="qnn", options=self.provider_options)
             else:
                 opts = session_options(self.threads)
-                if self.max_resident_bytes is not None:
-                    opts.add_session_config_entry("session.disable_prepacking", "1")
+                if self.max_resident_bytes is not None:  # sessions get reopened: make opening cheap
+                    # measured on a 1 GB part of a 1.2B Llama: 0.4 s at BASIC vs 4.6-7.8 s at ALL
+                    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+                    opts.add_session_config_entry("session.disable_prepacking", "1")  # no second weight copy
                 self._sessions[name] = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         return self._sessions[name]
 

@@ -78,3 +78,27 @@ def test_pass_order_mistake_is_explained():
     gs, feeds = graphset_for("qwen2", (4,))
     with pytest.raises(PassError, match="list mha_to_sha before linear_to_conv"):
         run_passes(gs, ["linear_to_conv", "mha_to_sha"], 1e-3, feeds)
+
+
+def test_a_graph_over_the_part_budget_is_checked_part_by_part(monkeypatch, tmp_path):
+    """Above RUN_PART_BYTES a graph runs as temporary layer parts, one session each, with the
+    whole graph's outputs; its spilled weights are read where they lie."""
+    from toolchain.compile import pass_runner
+    from toolchain.ir import disk
+
+    gs, feeds = graphset_for("llama", (4,))
+    entry = gs.entries["w4"]
+    whole = pass_runner.ort_run(entry, feeds["w4"])
+    sessions = []
+    real = pass_runner._ort_run_whole
+    monkeypatch.setattr(pass_runner, "_ort_run_whole", lambda e, f: sessions.append(e.name) or real(e, f))
+    monkeypatch.setattr(pass_runner, "RUN_PART_BYTES", 1)
+    with disk.spilling(disk.Spill(tmp_path)) as spill:
+        for m in [e.model for e in gs.entries.values()]:
+            disk.spill_large(m, spill)
+        parted = pass_runner.ort_run(entry, feeds["w4"])
+    assert len(sessions) == 2  # the tiny model's two layers, one part each
+    assert sorted(parted) == sorted(whole)
+    for name, want in whole.items():
+        np.testing.assert_allclose(parted[name], want, rtol=0, atol=1e-6)
+    assert not list(tmp_path.glob("check-*"))  # the temporary graphs are gone

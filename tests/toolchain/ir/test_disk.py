@@ -1,0 +1,65 @@
+"""DiskTensor reads fresh bytes on every access; Spill stores, dedupes and deletes what nothing uses."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from toolchain.ir import disk
+
+
+def test_disk_tensor_reads_the_file_each_time(tmp_path):
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    (tmp_path / "w.bin").write_bytes(b"\0" * 8 + a.tobytes())
+    t = disk.DiskTensor("w.bin", 8, a.nbytes, ir.DataType.FLOAT, shape=ir.Shape([3, 4]), name="w",
+                        base_dir=tmp_path)
+    np.testing.assert_array_equal(t.numpy(), a)
+    assert t.tobytes() == a.tobytes()
+    # nothing is cached (no memory map kept): a rewrite of the file shows on the next read
+    (tmp_path / "w.bin").write_bytes(b"\0" * 8 + (a * 2).tobytes())
+    np.testing.assert_array_equal(t.numpy(), a * 2)
+    assert t.numpy() is not t.numpy()
+
+
+def test_spill_dedupes_and_collects_unused_sections(tmp_path):
+    spill = disk.Spill(tmp_path)
+    spill.section("first")
+    big = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
+    x = spill.store("x", big)
+    y = spill.store("y", big.copy())  # same bytes: same place on disk
+    assert (x.location, x.offset) == (y.location, y.offset)
+    np.testing.assert_array_equal(y.numpy(), big)
+    spill.section("second")
+    z = spill.store("z", big * 3)
+    assert z.location != x.location
+    spill.section("third")
+    assert spill.collect([z]) > 0  # nothing points into the first section any more
+    assert not (tmp_path / x.location).exists()
+    assert (tmp_path / z.location).exists()
+    np.testing.assert_array_equal(z.numpy(), big * 3)
+    w = spill.store("w", big)  # stored again, not pointing at the deleted file
+    np.testing.assert_array_equal(w.numpy(), big)
+
+
+def test_large_arrays_go_to_the_active_spill_only(tmp_path):
+    big = np.ones((disk.SPILL_BYTES // 4,), np.float32)
+    small = np.ones((8,), np.float32)
+    assert not disk.is_on_disk(disk.as_tensor("b", big))  # no spill active: memory
+    with disk.spilling(disk.Spill(tmp_path)) as spill:
+        assert disk.is_on_disk(disk.as_tensor("b", big))
+        assert not disk.is_on_disk(disk.as_tensor("s", small))
+        assert disk.active() is spill
+    assert disk.active() is None
+    scalar = disk.as_tensor("s", np.array(2.0, np.float32))
+    assert tuple(scalar.shape) == ()  # a 0-d scalar keeps its rank
+
+
+def test_spill_large_moves_in_memory_initializers(tmp_path):
+    model = ir.Model(ir.Graph([], [], nodes=[], name="g"), ir_version=10)
+    for name, arr in {"big": np.ones((disk.SPILL_BYTES,), np.uint8), "small": np.ones(4, np.uint8)}.items():
+        model.graph.register_initializer(ir.Value(name=name, shape=ir.Shape(arr.shape),
+                                                  type=ir.TensorType(ir.DataType.UINT8),
+                                                  const_value=ir.tensor(arr, name=name)))
+    assert disk.spill_large(model, disk.Spill(tmp_path)) == 1
+    assert disk.is_on_disk(model.graph.initializers["big"].const_value)
+    assert not disk.is_on_disk(model.graph.initializers["small"].const_value)
