@@ -33,13 +33,14 @@ from toolchain.errors import MobcError, PassError
 from toolchain.ir import disk
 from toolchain.ir.graph import layer_of, weight_bytes
 from toolchain.ir.graphset import GraphEntry, GraphSet
+from toolchain.runtime.sessions import PART_BUDGET_BYTES
 
 Feeds = dict[str, dict[str, np.ndarray]]
 
 
 # A stage whose weights exceed this is run in temporary layer parts (split_layers' cut), each
 # its own session, so checking a 8B graph needs one part's memory, not the model's.
-RUN_PART_BYTES = float(os.environ.get("MOBC_VERIFY_PART_BYTES", 1.0e9))
+RUN_PART_BYTES = PART_BUDGET_BYTES
 
 
 def session_options() -> ort.SessionOptions:

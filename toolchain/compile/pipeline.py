@@ -23,7 +23,7 @@ from toolchain.artifact.manifest import Manifest, ModelInfo
 from toolchain.compile.capture import layout_for, rope_tables
 from toolchain.compile.emit import staging, write_graphs, write_rope
 from toolchain.compile.export import StoredWeights, export_step_graph
-from toolchain.compile.pass_runner import RUN_PART_BYTES, run_passes
+from toolchain.compile.pass_runner import run_passes
 from toolchain.compile.recipe import Recipe, check_against_model, load_recipe
 from toolchain.compile.report import write_report
 from toolchain.compile.source import LoadedModel, load
@@ -40,7 +40,7 @@ from toolchain.errors import RecipeError, VerificationError
 from toolchain.ir import disk
 from toolchain.ir.graphset import GraphEntry, GraphSet
 from toolchain.runtime.greedy import decode_family, greedy
-from toolchain.runtime.sessions import ArtifactSessions
+from toolchain.runtime.sessions import PART_BUDGET_BYTES, ArtifactSessions
 
 
 class Reporter:
@@ -128,8 +128,8 @@ def reference_cases(loaded: LoadedModel, layouts: dict[str, StepLayout], rope: d
 def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: dict[str, Case],
                     timer: StageTimer) -> dict[str, Any]:
     """Numeric checks of the written graphs (files, not in-memory models)."""
-    # one part's sessions at a time when the model is large (parts are cut to ~RUN_PART_BYTES)
-    sessions = ArtifactSessions(folder, max_resident_bytes=RUN_PART_BYTES)
+    # one part's sessions at a time when the model is large (parts are cut to ~PART_BUDGET_BYTES)
+    sessions = ArtifactSessions(folder, max_resident_bytes=PART_BUDGET_BYTES)
     families: dict[str, Any] = {}
     for family, case in cases.items():
         with timer.stage(f"verify {family} vs transformers"):

@@ -171,14 +171,19 @@ def calibrate_family(sessions: ArtifactSessions, family: str, tokens: list[int],
 def _calibrate(sessions: ArtifactSessions, family: str, tokens: list[int], samples: int, seed: int,
                work: Path, graphs: dict[str, Path]) -> dict[str, TensorsData]:
     chain = sessions.chain(family)
-    cals = {st.name: GraphCalibrator(graphs.get(st.name, sessions.folder / st.file), work) for st in chain}
-    for feeds in family_feeds(sessions, family, tokens, samples, seed):
-        env = dict(feeds)
-        for i, st in enumerate(chain):
-            cals[st.name].add(env)
+    envs = [dict(feeds) for feeds in family_feeds(sessions, family, tokens, samples, seed)]
+    ranges = {}
+    # stage by stage, so one stage's calibrator (a session over its weights) exists at a time:
+    # a 3B model calibrates in one part's memory
+    for i, st in enumerate(chain):
+        cal = GraphCalibrator(graphs.get(st.name, sessions.folder / st.file), work)
+        for env in envs:
+            cal.add(env)
             if i < len(chain) - 1:  # later stages need this stage's real outputs
                 env.update(sessions.run_stage(st, {n: env[n] for n in st.input_names}))
-    return {name: c.ranges() for name, c in cals.items()}
+        ranges[st.name] = cal.ranges()
+        del cal
+    return ranges
 
 
 def tensor_range(ranges: TensorsData, name: str) -> tuple[float, float] | None:

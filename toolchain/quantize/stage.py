@@ -34,7 +34,7 @@ from toolchain.quantize.encodings import scheme_summary, write_encodings
 from toolchain.quantize.ppl import QUANT_DIR
 from toolchain.quantize.qdq import KV_PATTERN, prepare_grid, quantize_graph, uint_params
 from toolchain.quantize.schema import QuantizeSpec
-from toolchain.runtime.sessions import ArtifactSessions
+from toolchain.runtime.sessions import PART_BUDGET_BYTES, ArtifactSessions
 
 
 def tie_kv(ranges: dict[str, Any], spec: QuantizeSpec) -> tuple[dict[str, tuple[float, int]], dict[str, Any]]:
@@ -136,7 +136,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
     Returns the manifest record."""
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
-    sessions = ArtifactSessions(folder)
+    sessions = ArtifactSessions(folder, max_resident_bytes=PART_BUDGET_BYTES)  # one part's weights at a time
     context = max(s.context for s in sessions.stages.values())
     tokens = corpus_tokens(tokenizer, "calibration", max(4 * context, 4096))
     timings: dict[str, float] = {}

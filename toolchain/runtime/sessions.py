@@ -8,6 +8,7 @@ inputs into the same arrays and reads the outputs from the same arrays.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,10 @@ import onnxruntime as ort
 from toolchain.artifact.chain import run_chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
+
+# Weight bytes a memory-bounded user of an artifact (the compile's checks, calibration) keeps in open
+# sessions; parts are cut to about this size, so a 8B model is checked one part at a time.
+PART_BUDGET_BYTES = float(os.environ.get("MOBC_PART_BUDGET_BYTES", 1.0e9))
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:

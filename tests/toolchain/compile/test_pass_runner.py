@@ -102,3 +102,23 @@ def test_a_graph_over_the_part_budget_is_checked_part_by_part(monkeypatch, tmp_p
     for name, want in whole.items():
         np.testing.assert_allclose(parted[name], want, rtol=0, atol=1e-6)
     assert not list(tmp_path.glob("check-*"))  # the temporary graphs are gone
+
+
+def test_passes_keep_large_weights_on_disk_and_drop_replaced_spill(monkeypatch, tmp_path):
+    """While a spill is active, every large weight a pass makes goes to disk (the compile never holds
+    a second copy of the model), and scratch files whose tensors a later pass replaced are deleted."""
+    from toolchain.ir import disk
+
+    monkeypatch.setattr(disk, "SPILL_BYTES", 1024)
+    gs, feeds = graphset_for("llama", (4,))
+    with disk.spilling(disk.Spill(tmp_path)) as spill:
+        for e in gs.entries.values():
+            disk.spill_large(e.model, spill)
+        gs, rows = run_passes(gs, ["mha_to_sha", "linear_to_conv"], 1e-4, feeds)
+    tensors = [v.const_value for e in gs.entries.values() for v in e.model.graph.initializers.values()]
+    assert all(disk.is_on_disk(t) for t in tensors if t is not None and t.nbytes >= 1024)
+    live = {t.location for t in tensors if disk.is_on_disk(t)}
+    files = {p.name for p in tmp_path.glob("spill*.bin")}
+    assert files - live <= {f for f in files if "linear_to_conv" in f}  # only the open section may be unused
+    assert not any("mha_to_sha" in f for f in files)  # its head slices became conv weights, then were deleted
+    assert rows[-1]["worst"]["diff"] <= 1e-4

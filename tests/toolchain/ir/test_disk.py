@@ -63,3 +63,17 @@ def test_spill_large_moves_in_memory_initializers(tmp_path):
     assert disk.spill_large(model, disk.Spill(tmp_path)) == 1
     assert disk.is_on_disk(model.graph.initializers["big"].const_value)
     assert not disk.is_on_disk(model.graph.initializers["small"].const_value)
+
+
+def test_add_initializer_writes_large_weights_straight_to_the_spill(tmp_path):
+    """Passes create weights through add_initializer: with a spill active they never sit in memory,
+    so a pass rewriting every weight of a model holds one at a time."""
+    from toolchain.ir.graph import add_initializer
+
+    graph = ir.Graph([], [], nodes=[], name="g")
+    big = np.arange(disk.SPILL_BYTES // 4, dtype=np.float32)
+    with disk.spilling(disk.Spill(tmp_path)):
+        value = add_initializer(graph, "w", big)
+        again = add_initializer(graph, "w", big.copy())  # same name, same bytes: reused
+    assert disk.is_on_disk(value.const_value) and again is value
+    np.testing.assert_array_equal(value.const_value.numpy(), big)
