@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from tests.tiny import tiny_tokenizer
+from tests.toolchain.runtime.speculative import second_token_check
+from tests.toolchain.runtime.test_sampling import CHI2_5DOF_P001
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
-from toolchain.runtime.policies.ahasd import EntropyHistory
+from toolchain.runtime.policies import ahasd as ahasd_module
+from toolchain.runtime.policies.ahasd import Ahasd, EntropyHistory
 from toolchain.runtime.policies.lever import Lever, LeverConfig
 from toolchain.runtime.predictor import PredictorSpec, backbone, keep_set, save_predictor
 from toolchain.runtime.tree import Tree
@@ -95,6 +98,30 @@ def test_ahasd_with_a_near_draft_verifies_drafts_made_from_the_committed_text(tr
     # target decided its position alone, depends on the threads' timing: count drafts accepted and
     # rows rolled back, not the mix
     assert kinds["all"] + kinds["partial"] >= 3 and sum(d > 0 for d in dropped) >= 2, (kinds, dropped)
+
+
+def test_sampled_ahasd_emits_the_targets_distribution(tree_artifacts, near_draft):
+    """ahasd sampled (tests/toolchain/runtime/speculative.py): with a budget of 3 the verifier takes at
+    most one draft for the second token, and that token follows the target's distribution whether
+    the draft was accepted, replaced from the residual, or not staged in time (a plain step)."""
+    target_dir, _ = tree_artifacts
+    pol = Ahasd(StepModel(target_dir), StepModel(near_draft), gamma=1, max_lead=2)  # short runs: little look-ahead
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    verified = []
+    accept = ahasd_module.accept_chain
+
+    def spy(logits, drafts, qs, sampler):
+        k, nxt = accept(logits, drafts, qs, sampler)
+        verified.append((len(drafts), k))
+        return k, nxt
+
+    ahasd_module.accept_chain = spy
+    try:
+        r = second_token_check(pol, StepModel(target_dir), ids, 0.1, 150, max_new_tokens=3)
+    finally:
+        ahasd_module.accept_chain = accept
+    assert r["chi2"] < CHI2_5DOF_P001, r  # measured 4.9; drafts carrying an untempered q: 275
+    assert sum(g > 0 for g, _ in verified) >= 30  # drafts were really verified, not only plain steps
 
 
 def test_ahasd_stops_cleanly_when_the_consumer_stops_early(tree_artifacts):
