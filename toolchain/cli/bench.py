@@ -300,6 +300,7 @@ def bench_compile(
     work: Path = typer.Option(Path("build/bench-compile"), "--work", help="checkpoints, recipes, logs, artifacts"),
     context: int = typer.Option(1024, "--context", help="CL of the decode and prefill graphs"),
     prefill: int = typer.Option(128, "--prefill", help="width of the prefill graph"),
+    keep: bool = typer.Option(False, "--keep-artifacts", help="keep each compiled artifact (default: delete after measuring)"),
     json_out: Path | None = typer.Option(None, "--json"),
 ) -> None:
     """Compile random-weight Llamas of growing size; print wall time, peak RSS and peak/weights per size."""
@@ -316,7 +317,7 @@ def bench_compile(
         err(f"--variants: {variants!r}; give npu and/or w4a16")
         raise typer.Exit(2)
     work.mkdir(parents=True, exist_ok=True)
-    rows = bench(names, kinds, work, context, prefill, log=log)
+    rows = bench(names, kinds, work, context, prefill, keep=keep, log=log)
     table = Table(title=f"compile cost vs model size (random-weight Llamas, decode N=1 + prefill N={prefill}, CL={context})")
     for col in ("size", "variant", "params", "fp32 weights", "wall s", "peak RSS", "peak / weights",
                 "max |logits diff|", "greedy", "exit"):
