@@ -40,10 +40,40 @@ QNN_CSV = """Msg Timestamp,Message,Time,Unit of Measurement,Timing Source,Event 
 
 
 def test_reads_the_ai_hub_profile_fixture():
+    """The fixture is HAND-WRITTEN (round numbers, four layers), not downloaded from a real AI Hub
+    job: no device run is available to the suite. The next test keeps its schema in step with the
+    installed qai-hub's own conversion of a profile, so a schema change there fails here."""
     latency, runs, units = read_latency(FIXTURES / "aihub_profile_decode.json")
     assert latency == pytest.approx(0.026)  # estimated_inference_time is in microseconds
     assert runs == 5
     assert units == {"NPU": 4}
+
+
+def test_profile_fixture_has_qai_hubs_documented_schema(tmp_path):
+    """qai-hub's download_profile() returns `_profile_pb_to_python_dict` of the job's ProfileDetail
+    (profile schema 1.2: execution_summary with all_*_times, execution_detail per layer). Build one
+    from the protobuf with the fixture's numbers: same keys as the fixture, and the parser reads it."""
+    import json
+
+    from qai_hub import client as hub_client
+
+    fixture = json.loads((FIXTURES / "aihub_profile_decode.json").read_text())
+    summary = fixture["execution_summary"]
+    pb = hub_client.api_pb.ProfileDetail(major_version=1, minor_version=2,
+                                         execution_time=summary["estimated_inference_time"])
+    pb.all_execution_times.extend(summary["all_inference_times"])
+    for layer in fixture["execution_detail"]:
+        d = pb.layer_details.add(name=layer["name"], layer_type_name=layer["type"],
+                                 execution_time=layer["execution_time"],
+                                 execution_cycles=layer["execution_cycles"])
+        d.compute_unit = hub_client.api_pb.ComputeUnit.Value(f"COMPUTE_UNIT_{layer['compute_unit']}")
+    real = hub_client._profile_pb_to_python_dict(pb)
+    assert set(real) == set(fixture)
+    assert set(real["execution_summary"]) == set(summary)
+    assert real["execution_detail"] == fixture["execution_detail"]
+    path = tmp_path / "from_qai_hub.json"
+    path.write_text(json.dumps(real))
+    assert read_latency(path) == read_latency(FIXTURES / "aihub_profile_decode.json")
 
 
 def test_reads_qnn_csv_and_ort_trace(tmp_path):
