@@ -23,12 +23,17 @@ def test_simplify_layout_collapses_chains_and_keeps_scopes(arch):
     build("simplify_layout").ensures(model)
     assert not [n.name for n in model.graph if n.name.startswith("node_")]
     # layer prefixes survive, so the graph can still be cut into parts
-    run_passes(gs, [{"split_layers": {"at": [1]}}], 1e-5, feeds)
+    gs, rows = run_passes(gs, [{"split_layers": {"at": [1]}}], 1e-5, feeds)
+    assert len(rows[-1]["graphs_after"]) == 2 and rows[-1]["worst"]["diff"] < 1e-5
 
 
-def test_check_htp_accepts_exported_graphs(arch):
+def test_check_htp_accepts_exported_graphs_and_changes_nothing(arch):
     _, model = tiny(arch)
-    build("check_htp")(model)
+    p = build("check_htp")
+    assert p.problems(model) == []  # what the exporter emits is in the HTP subset
+    before = [(n.name, n.op_type) for n in model.graph]
+    result = p(model)
+    assert result.modified is False and [(n.name, n.op_type) for n in model.graph] == before
 
 
 def test_check_htp_names_the_offending_node():

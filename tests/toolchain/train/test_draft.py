@@ -81,12 +81,16 @@ def test_target_continuations_are_the_targets_greedy_tokens():
     w = target_continuations(teacher, ids, n_windows=3, seq_len=24, prompt_len=8, batch=2, seed=0)
     assert w.shape == (3, 24)
     text = ids.tolist()
+    starts = []
     for row in w.tolist():
-        start = next(i for i in range(len(text) - 8) if text[i : i + 8] == row[:8])  # a real prompt
-        assert start >= 0
+        # every window opens with 8 tokens of the real text (a prompt), at its own place
+        start = next((i for i in range(len(text) - 8) if text[i : i + 8] == row[:8]), None)
+        assert start is not None, row[:8]
+        starts.append(start)
         with torch.no_grad():  # every generated token is the target's argmax after its prefix
             logits = teacher(torch.tensor([row])).logits[0]
         assert logits[7:-1].argmax(-1).tolist() == row[8:]
+    assert len(set(starts)) == len(starts)
     with pytest.raises(DraftTrainError):
         target_continuations(teacher, ids, 1, seq_len=8, prompt_len=8, batch=1)
 
