@@ -71,6 +71,9 @@ SHAPES = {
     "1.2b": Shape("1.2b", 2048, 16, 32, 8, 8192, tied=False),  # the 1.17B of issue 16 (Llama-3.2-1B body)
     "3b": Shape("3b", 3072, 28, 24, 8, 8192),  # Llama-3.2-3B
     "8b": Shape("8b", 4096, 32, 32, 8, 14336, tied=False),  # Llama-3.1-8B
+    # Llama-3.1-8B's layers and head, 8 of its 32 layers: the 8B's per-part memory on a disk too small
+    # for the whole model's fp32 checkpoint, scratch and artifact (~30 GB each)
+    "8b-8l": Shape("8b-8l", 4096, 8, 32, 8, 14336, tied=False),
 }
 
 _ST_DTYPE = {"float32": ("F32", np.float32), "float16": ("F16", np.float16)}

@@ -295,7 +295,7 @@ def bench_ds2d_cmd(
 
 @app.command("compile")
 def bench_compile(
-    sizes: str = typer.Option("0.1b,0.5b,1.2b", "--sizes", help="comma-separated shapes: 0.1b,0.5b,1.2b,3b,8b"),
+    sizes: str = typer.Option("0.1b,0.5b,1.2b", "--sizes", help="comma-separated shapes: 0.1b,0.5b,1.2b,3b,8b,8b-8l (8 of the 8B's layers)"),
     variants: str = typer.Option("npu", "--variants", help="npu (the NPU pass list) and/or w4a16"),
     work: Path = typer.Option(Path("build/bench-compile"), "--work", help="checkpoints, recipes, logs, artifacts"),
     context: int = typer.Option(1024, "--context", help="CL of the decode and prefill graphs"),
