@@ -26,7 +26,7 @@ def reverify(folder: str | Path, reporter) -> bool:
     recipe = parse_recipe(manifest.recipe or {}, origin=f"{folder}/manifest.json recipe")
     base = Path(manifest.recipe_file or folder).parent
     with timer.stage("load model", recipe.source.describe()):
-        loaded = load(recipe.source, base=base)
+        loaded = load(recipe.source, base=base, stream=True)  # one layer of weights at a time
     if loaded.fingerprint != manifest.source["fingerprint"]:
         raise ArtifactError(
             f"the source model {recipe.source.describe()} changed since this artifact was compiled "
