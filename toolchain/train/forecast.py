@@ -121,21 +121,24 @@ def train_forecast(model: Any, tokenizer: Any, m: int, cfg: ForecastConfig,
     assert model.config._attn_implementation == ATTENTION_NAME
     opt = torch.optim.Adam([fc.vectors], lr=cfg.lr)
 
-    def evaluate(n_examples: int = 4) -> list[float]:
+    def evaluate(n_examples: int = 4) -> tuple[list[float], float]:
+        """(top-1 accuracy per slot, mean cross-entropy) on the same held-out examples every time."""
         g = torch.Generator().manual_seed(1234)
         hits = np.zeros(m)
-        count = 0
+        count, nll = 0, 0.0
         with torch.no_grad():
             for _ in range(n_examples):
                 s = int(torch.randint(0, held.numel() - cfg.seq_len, (1,), generator=g))
                 inputs, rows, targets = fc.example(held[s : s + cfg.seq_len], g)
-                pred = step_graph(*inputs)[0][0, rows].argmax(-1)
+                logits = step_graph(*inputs)[0][0, rows]
+                pred = logits.argmax(-1)
                 hits += (pred == targets).float().reshape(-1, m).sum(0).numpy()
+                nll += float(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum"))
                 count += len(rows) // m
-        return [round(float(h / count), 4) for h in hits]
+        return [round(float(h / count), 4) for h in hits], nll / (count * m)
 
     try:
-        before = evaluate()
+        before, nll_before = evaluate()
         log(f"top-1 accuracy per forecast slot before: {before}")
         t0, step, losses = time.perf_counter(), 0, []
         while time.perf_counter() - t0 < cfg.seconds and step < cfg.max_steps:
@@ -151,13 +154,14 @@ def train_forecast(model: Any, tokenizer: Any, m: int, cfg: ForecastConfig,
             if step % 10 == 0:
                 log(f"step {step}: loss {np.mean(losses[-10:]):.3f} ({time.perf_counter() - t0:.0f} s)")
         seconds = time.perf_counter() - t0
-        after = evaluate()
+        after, nll_after = evaluate()
         log(f"top-1 accuracy per forecast slot after: {after}")
     finally:
         fc.close()
     report = {"m": m, "steps": step, "seconds": round(seconds, 1), "loss_first": losses[0] if losses else None,
               "loss_last": float(np.mean(losses[-10:])) if losses else None, "accuracy_before": before,
-              "accuracy_after": after, "config": cfg.__dict__}
+              "accuracy_after": after, "held_out_nll_before": round(nll_before, 5),
+              "held_out_nll_after": round(nll_after, 5), "config": cfg.__dict__}
     return fc.vectors.detach().float().numpy().copy(), report
 
 

@@ -30,6 +30,11 @@ def test_training_saves_a_diffusion_lm(trained):
     assert form is not None and form.mask_token_id == rep["mask_token_id"]
     assert rep["steps"] > 0 and rep["init"] is None
     assert set(rep["accuracy_after"]) == set(rep["accuracy_before"])
+    # 3 s of training lowers the held-out masked-token loss at every mask rate (measured 6.43 -> 6.33,
+    # 6.31 -> 6.11, 6.33 -> 6.13 at 15/50/90% masked; accuracy is ~0 on a random tiny model)
+    b, a = rep["accuracy_before"], rep["accuracy_after"]
+    for rate in ("0.15", "0.5", "0.9"):
+        assert a[f"nll@{rate}"] < b[f"nll@{rate}"] - 0.03, (rate, b, a)
 
 
 def test_init_continues_the_saved_model(trained, tmp_path):

@@ -46,12 +46,20 @@ def test_derive_keeps_weights_and_all_layers_reproduce_target():
     assert torch.equal(one.model.layers[0].mlp.up_proj.weight, teacher.model.layers[1].mlp.up_proj.weight)
 
 
+def held_out_kl(readout: _Readout, windows: torch.Tensor, states: torch.Tensor) -> float:
+    """Mean KL(target || draft) over every position of held-out windows (the distillation objective)."""
+    with torch.no_grad():
+        t = torch.log_softmax(torch.nn.functional.linear(states, readout.embed), -1)
+        d = torch.log_softmax(readout.logits(readout.hidden(windows)), -1)
+    return float((t.exp() * (t - d)).sum(-1).mean())
+
+
 def test_lens_distill_fold_roundtrip(tmp_path):
     torch.manual_seed(0)
     teacher = tiny_model("llama")
     ids = np.asarray(tiny_tokenizer()(Path(os.__file__).read_text()).input_ids[:4608], dtype=np.int64)
     train, held = ids[:4096], ids[4096:]
-    cfg = DistillConfig(seq_len=64, batch=4, positions=16, lr=1e-3)
+    cfg = DistillConfig(seq_len=64, batch=4, positions=16, lr=3e-4)
     w_train, w_held = _windows(train, 64), _windows(held, 64)
     s_train, feats = teacher_states(teacher, w_train, float("inf"), 4, log=lambda m: None, prefix=1)
     s_held, _ = teacher_states(teacher, w_held, float("inf"), 4, log=lambda m: None)
@@ -62,8 +70,12 @@ def test_lens_distill_fold_roundtrip(tmp_path):
     torch.testing.assert_close(fit_lens(student, w_train, s_train, 1e-3, 4, feats), lens, rtol=1e-3, atol=1e-4)
     readout = _Readout(student, lens)
     lens = agreement(readout, w_held, s_held)
-    stats = distill(readout, w_train, s_train, cfg, seconds=1.0, log=lambda m: None)
+    kl_before = held_out_kl(readout, w_held, s_held)
+    stats = distill(readout, w_train, s_train, cfg, seconds=4.0, log=lambda m: None)
     assert stats["steps"] > 0 and np.isfinite(stats["kl_last"])
+    # distillation lowers the KL to the target on held-out windows (measured 0.0538 -> 0.0505 in 65 steps
+    # under load; its first ~20 steps raise it, so a 1 s budget shows nothing)
+    assert held_out_kl(readout, w_held, s_held) < 0.98 * kl_before, (kl_before, stats)
     model = fold(readout)
     assert not model.config.tie_word_embeddings
     x = w_held[:2]

@@ -21,3 +21,13 @@ def test_forecast_training_updates_only_the_embeddings():
     again, _ = train_forecast(model, tiny_tokenizer(), 2, ForecastConfig(seconds=60, seq_len=32, anchors=4,
                                                                           max_steps=1), init=emb)
     assert not np.allclose(again, emb) and np.abs(again - emb).max() < 1.0  # resumed, one small step on
+
+
+
+def test_forecast_training_lowers_the_held_out_loss():
+    """40 steps (about 2 s): the forecast rows' cross-entropy on held-out stdlib files drops (measured
+    6.356 -> 6.203; top-1 accuracy stays 0 on a random tiny model, so the loss is what can move)."""
+    cfg = ForecastConfig(seconds=60, seq_len=32, anchors=4, max_steps=40, lr=3e-2)
+    _, report = train_forecast(tiny_model("llama"), tiny_tokenizer(), 2, cfg)
+    assert report["steps"] == 40
+    assert report["held_out_nll_after"] < report["held_out_nll_before"] - 0.05, report
