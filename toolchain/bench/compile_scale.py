@@ -51,12 +51,35 @@ def run_compile(recipe_path: Path, out: Path, log_path: Path) -> dict[str, Any]:
     """One compile in a child process: wall seconds, peak RSS bytes, exit code."""
     cmd = [sys.executable, "-m", "toolchain.cli.main", "compile", str(recipe_path), "--out", str(out), "--force"]
     t = time.perf_counter()
+    sampled, during = 0, ""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        while True:  # poll, so the stage that holds the peak can be named
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            rss = _rss_bytes(proc.pid)
+            if rss > sampled:
+                sampled, during = rss, _running_stage(log_path)
+            time.sleep(0.5)
     return {"seconds": round(time.perf_counter() - t, 1), "peak_rss_bytes": usage.ru_maxrss * 1024,
-            "exit_code": proc.returncode}
+            "peak_after_stage": during, "exit_code": os.waitstatus_to_exitcode(status)}
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _running_stage(log_path: Path) -> str:
+    """The last stage the compile finished ("✓ ..." line): the peak came in the stage after it."""
+    done = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.startswith("✓")]
+    return done[-1][2:].rsplit(" (", 1)[0] if done else "start"
 
 
 def verification(out: Path) -> dict[str, Any]:

@@ -320,13 +320,13 @@ def bench_compile(
     rows = bench(names, kinds, work, context, prefill, keep=keep, log=log)
     table = Table(title=f"compile cost vs model size (random-weight Llamas, decode N=1 + prefill N={prefill}, CL={context})")
     for col in ("size", "variant", "params", "fp32 weights", "wall s", "peak RSS", "peak / weights",
-                "max |logits diff|", "greedy", "exit"):
+                "max |logits diff|", "greedy", "peak came after", "exit"):
         table.add_column(col, justify="left" if col in ("size", "variant") else "right")
     for r in rows:
         table.add_row(r["size"], r["variant"], f"{r['parameters'] / 1e9:.2f}B", f"{r['fp32_weight_bytes'] / 1e9:.2f} GB",
                       f"{r['seconds']:.0f}", f"{r['peak_rss_bytes'] / 1e9:.2f} GB", f"{r['peak_over_weights']:.2f}x",
                       fmt(r.get("logits_max_abs"), ".2e"), {True: "identical", False: "DIFFERS"}.get(r.get("greedy_identical"), "—"),
-                      str(r["exit_code"]))
+                      r["peak_after_stage"], str(r["exit_code"]))
     console.print(table)
     png = chart(rows, work / "compile_scale.png")
     console.print(f"chart: {png}")

@@ -42,6 +42,7 @@ def test_child_compile_is_measured_and_verified(tmp_path):
     run = run_compile(path, tmp_path / "out", tmp_path / "log.txt")
     assert run["exit_code"] == 0, (tmp_path / "log.txt").read_text()[-2000:]
     assert 100e6 < run["peak_rss_bytes"] < 8e9  # the child's own peak, not this process's
+    assert run["peak_after_stage"]  # sampled while it ran: the stage holding the peak is named
     v = verification(tmp_path / "out")
     assert v["greedy_identical"] is True and v["logits_max_abs"] < 1e-3 and v["parts"] >= 4
     passes = [p["pass"] for p in json.loads((tmp_path / "out" / "manifest.json").read_text())["passes"]]
