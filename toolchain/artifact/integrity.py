@@ -75,7 +75,7 @@ def remember(st: os.stat_result, digest: str) -> None:
 def hash_and_remember(path: Path) -> str:
     st = os.stat(path)
     digest = sha256_path(path)
-    if os.stat(path) == st:  # unchanged while we read it
+    if _entry(os.stat(path)) == _entry(st):  # unchanged while we read it (reading may move atime only)
         remember(st, digest)
     return digest
 

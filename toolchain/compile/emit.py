@@ -213,13 +213,27 @@ def release(out: Path) -> None:
         os.close(fd)
 
 
+def check_writable(out: Path) -> None:
+    """The output's name leaves room for its staging names, and its nearest existing folder is writable
+    (checked before any work, creating nothing)."""
+    if len(os.fsencode(out.name)) > 200:  # .NAME.partial-PID / .NAME.scratch-XXXXXXXX must fit 255 bytes
+        raise ArtifactError(f"{out}: the artifact folder's name is {len(os.fsencode(out.name))} bytes long; "
+                            "give it a name of at most 200 bytes (--out or the recipe's output)")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ArtifactError(f"cannot write the artifact {out}: {parent} is not a folder you can write to; "
+                            "choose another --out")
+
+
 def claim_output(out_dir: Path, force: bool) -> Path:
     """Before any work: checks that out_dir may be (re)placed, sweeps dead compiles' staging folders
     beside it and locks it against concurrent compiles. Returns the normalized output path; the
     lock is released by `staging` (or when the process ends)."""
     out = output_path(out_dir)
     check_replaceable(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
     sweep_stale(out.parent)
     if out not in _CLAIMS and (fd := _lock(out)) is not None:
         _CLAIMS[out] = fd
@@ -239,7 +253,11 @@ def staging(out_dir: Path, force: bool):
         if tmp.is_symlink():
             tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            raise ArtifactError(f"cannot write the artifact {out}: {exc.strerror} ({tmp}); choose another --out") \
+                from None
         try:
             yield tmp
         except BaseException:

@@ -101,6 +101,25 @@ class Recipe(_Strict):
                 raise ValueError(f"graph name {name!r} must be lower-case letters, digits and _")
         return graphs
 
+    @field_validator("output")
+    @classmethod
+    def _output(cls, output: str | None) -> str | None:
+        if output is not None and ("\x00" in output or not output.strip()):
+            raise ValueError("give the artifact folder's path (not empty, no NUL characters)")
+        return output
+
+    @model_validator(mode="after")
+    def _one_context(self) -> Recipe:
+        contexts = {name: g.context for name, g in self.graphs.items()}
+        first = next(iter(contexts))
+        for name, context in contexts.items():
+            if context != contexts[first]:
+                raise ValueError(
+                    f"graphs.{name}.context is {context} but graphs.{first}.context is {contexts[first]}; the "
+                    "runtime keeps one KV cache per model, so give every graph of a recipe the same context"
+                )
+        return self
+
     def graph_role(self, name: str) -> str:
         spec = self.graphs[name]
         if spec.role:

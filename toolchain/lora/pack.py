@@ -18,6 +18,7 @@ import numpy as np
 from toolchain.artifact.manifest import Manifest
 from toolchain.runtime.adapters import ADAPTERS_DIR, B_INPUT, Adapter, AdapterError, LoraSpec
 
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 _PEFT_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
 
 
@@ -60,7 +61,29 @@ def _read_peft(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return cfg, tensors
 
 
+def _positive(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+def _check_numbers(cfg: dict[str, Any], folder: Path) -> None:
+    """r, lora_alpha and their per-module patterns are positive numbers (PEFT never writes anything else)."""
+    for key in ("r", "lora_alpha"):
+        if key in cfg and not _positive(cfg[key]):
+            raise AdapterError(f"{folder}: adapter_config.json has {key} = {cfg[key]!r}; PEFT writes a positive "
+                               "number there: save the adapter again with PEFT's save_pretrained")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = cfg.get(key) or {}
+        if not isinstance(patterns, dict) or not all(_positive(v) for v in patterns.values()):
+            raise AdapterError(f"{folder}: adapter_config.json {key} must map module names to positive numbers")
+        for name in patterns:
+            try:
+                re.compile(rf"(.*\.)?{name}$")
+            except re.error:
+                raise AdapterError(f"{folder}: adapter_config.json {key} key {name!r} is not a module pattern") from None
+
+
 def _check_config(cfg: dict[str, Any], folder: Path) -> None:
+    _check_numbers(cfg, folder)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{folder}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters become graph inputs")
     if cfg.get("use_dora"):
@@ -90,8 +113,11 @@ def _check_base(cfg: dict[str, Any], manifest: Manifest, folder: Path) -> None:
     fp = src.get("fingerprint", "")
     if not base:
         return
+    if not isinstance(base, str):
+        raise AdapterError(f"{folder}: adapter_config.json base_model_name_or_path is {base!r}, not a model "
+                           "folder or hub id; save the adapter again with PEFT's save_pretrained")
     bpath = Path(base)
-    if not bpath.is_dir():
+    if "\x00" in base or not bpath.is_dir():
         return  # a hub id we cannot resolve offline: the shape checks below still apply
     from toolchain.compile.source import fingerprint_files
 
@@ -141,6 +167,9 @@ def from_peft(folder: str | Path, manifest: Manifest, name: str | None = None) -
         if layer >= model.n_layers:
             raise AdapterError(f"{folder}: base-model mismatch: the adapter has layer {layer} but the artifact's "
                                f"model has {model.n_layers} layers")
+        if t.ndim != 2 or 0 in t.shape:
+            raise AdapterError(f"{folder}: tensor {key!r} has shape {list(t.shape)}; a LoRA factor is a non-empty "
+                               "matrix")
         pairs.setdefault(f"layers.{layer}.{block}.{target}", {})[which] = t.astype(np.float32)
     if not pairs:
         raise AdapterError(f"{folder}: no LoRA A/B tensors found in the adapter file")
@@ -150,6 +179,8 @@ def from_peft(folder: str | Path, manifest: Manifest, name: str | None = None) -
             raise AdapterError(f"{folder}: {proj} has lora_{'A' if 'B' in ab else 'B'} missing")
         a, b = ab["A"].T, ab["B"].T  # PEFT stores Linear weights [out, in]; graphs use [in, out]
         r = a.shape[1]
+        if b.shape[0] != r:
+            raise AdapterError(f"{folder}: {proj} has lora_A of rank {r} but lora_B of rank {b.shape[0]}")
         if r > spec.max_rank:
             raise AdapterError(
                 f"{folder}: {proj} has rank {r} but the artifact was compiled with max_rank {spec.max_rank}; "
@@ -194,6 +225,10 @@ def pack(artifact: str | Path, peft_dir: str | Path, name: str | None = None) ->
     artifact = Path(artifact)
     manifest = Manifest.load(artifact)
     adapter = from_peft(peft_dir, manifest, name)
+    if not ADAPTER_NAME.match(adapter.name):  # it names a file: no separators, no leading dot
+        given = f"--name {name!r}" if name else f"the folder name {adapter.name!r}"
+        raise AdapterError(f"{given}: an adapter name is letters, digits, '.', '_' and '-' (not starting with "
+                           "'.'); it names ARTIFACT/adapters/NAME.npz. Pass --name with such a name")
     out = artifact / ADAPTERS_DIR / f"{adapter.name}.npz"
     adapter.save(out)
     return out, adapter
