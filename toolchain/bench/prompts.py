@@ -28,6 +28,8 @@ def load_prompts(spec: str) -> list[str]:
         n = int(arg) if arg else len(problems)
         return problems[:n]
     if kind == "file":
+        if not Path(arg).is_file():
+            raise BenchError(f"--prompts {spec!r}: {arg} is not a file; write prompts separated by lines '---'")
         text = Path(arg).read_text()
         return [p.strip("\n") for p in text.split("\n---\n") if p.strip()]
     raise BenchError(f"--prompts {spec!r}: use humaneval:N or file:PATH")
