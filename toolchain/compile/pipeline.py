@@ -32,7 +32,7 @@ from toolchain.compile.verify import (
     check_tolerance,
     compare,
     eos_ids,
-    hf_greedy,
+    hf_greedy_of,
     real_text,
     reference_case,
 )
@@ -156,8 +156,8 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
                     f"do not fit the decode graph's context ({room + 1}); lower verify.greedy_tokens, "
                     "shorten verify.prompt or raise the context"
                 )
-            ref = hf_greedy(loaded.model, ids, n)
             ours = greedy(sessions, ids, n, eos_ids(loaded.config))
+            ref = hf_greedy_of(loaded.model, ids, ours)
         first_diff = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
         identical = ours == ref
         result["greedy"] = {"tokens": n, "prompt_tokens": len(ids), "identical": identical,
@@ -165,7 +165,7 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
                             "reference": ref, "ours": ours}
         if not identical:
             raise VerificationError(
-                f"greedy decoding through the emitted graphs diverges from transformers' generate at token "
+                f"greedy decoding through the emitted graphs diverges from transformers' greedy decoding at token "
                 f"{first_diff} (ours {ours[:first_diff + 1]}, generate {ref[:first_diff + 1]})"
             )
     return result

@@ -154,10 +154,20 @@ def check_tolerance(family: str, figures: dict[str, Any], tol: float) -> None:
 
 
 @torch.no_grad()
-def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, num_beams=1,
-                         attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
+def hf_greedy_of(model: Any, ids: list[int], ours: list[int]) -> list[int]:
+    """transformers' greedy continuation of `ids`, up to and including the first token where it
+    differs from `ours` (else all of `ours`), from ONE forward over ids + ours.
+
+    Greedy is argmax after each prefix: while ours agrees, the teacher-forced forward sees exactly
+    the prefixes generate would, so its argmaxes are generate's tokens. One forward instead of one
+    per token matters when the reference streams every weight from disk per forward (a 3B model).
+    """
+    if not ours:
+        return []
+    logits = model(torch.tensor([ids + ours[:-1]])).logits[0, len(ids) - 1 :]
+    picked = logits.argmax(-1).tolist()
+    first = next((i for i, (a, b) in enumerate(zip(picked, ours, strict=True)) if a != b), None)
+    return ours if first is None else ours[:first] + [picked[first]]
 
 
 def eos_ids(config: Any) -> list[int]:

@@ -138,3 +138,18 @@ def test_cli_verify_fails_on_nan_even_without_a_greedy_check(artifact, tmp_path)
     assert r.exit_code != 0 and "verified" not in r.output
     assert isinstance(r.exception, VerificationError), r.exception
     assert "non-finite" in str(r.exception)
+
+
+def test_teacher_forced_greedy_is_generate_up_to_the_first_difference():
+    import torch
+
+    from tests.passes.tiny import hf_model
+    from toolchain.compile.verify import hf_greedy_of
+
+    model = hf_model("llama")
+    ids = [5, 17, 99, 3, 42]
+    gen = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                         attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+    assert hf_greedy_of(model, ids, gen) == gen
+    wrong = gen[:3] + [(gen[3] + 1) % model.config.vocab_size] + gen[4:]
+    assert hf_greedy_of(model, ids, wrong) == gen[:4]  # generate's tokens through the first difference
