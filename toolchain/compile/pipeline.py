@@ -147,7 +147,7 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
             result["diffusion_decode"] = decode_check(folder, loaded.model, loaded.tokenizer(recipe.verify.prompt).input_ids)
     n = recipe.verify.greedy_tokens
     if n:
-        with timer.stage(f"verify greedy {n} tokens vs generate"):
+        with timer.stage(f"verify greedy {n} tokens vs transformers"):
             ids = loaded.tokenizer(recipe.verify.prompt).input_ids
             room = sessions.chain(decode_family(sessions))[0].context - 1
             if len(ids) + n > room:
