@@ -8,6 +8,8 @@ import pytest
 
 from tests.lora_tiny import M
 from tests.tiny import tiny_tokenizer
+from tests.toolchain.runtime.speculative import chi2_of, target_second_token
+from tests.toolchain.runtime.test_sampling import CHI2_5DOF_P001
 from toolchain.runtime.adapters import Adapter
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
@@ -85,6 +87,41 @@ def test_ctg_equals_sequential_runs(artifact):
     seq = sequential_styles(model, _prompt(), styles, 8, Sampler())
     assert pol.outputs == seq
     assert len({tuple(o) for o in seq}) == 4  # the styles really differ
+
+
+def test_sampled_ctg_styles_each_follow_their_model(artifact):
+    """Two base-model styles sampled at temperature 0.1: each style's second token follows the model's
+    distribution (chi-square, 5 dof, p = 0.001) and the two styles draw independently (equal second
+    tokens about as often as two independent draws, measured 0.08, not always)."""
+    model = StepModel(artifact)
+    ids = tiny_tokenizer()("def f(x):\n    return").input_ids  # first token nearly fixed at 0.1 (p 0.94)
+    mode, top, probs = target_second_token(StepModel(artifact), ids, 0.1)
+    pol = make_policy("ctg", model, styles=[None, None])
+    seconds: list[list[int]] = [[], []]
+    same = both = 0
+    for seed in range(150):
+        list(pol.generate(ids, 2, Sampler(0.1, seed=seed)))
+        firsts = [o[0] == mode for o in pol.outputs]
+        for j, o in enumerate(pol.outputs):
+            if firsts[j]:
+                seconds[j].append(o[1])
+        if all(firsts):
+            both += 1
+            same += pol.outputs[0][1] == pol.outputs[1][1]
+    for j in range(2):
+        r = chi2_of(seconds[j], top, probs)
+        assert r["chi2"] < CHI2_5DOF_P001, (j, r)
+    expected_same = float((probs[:5] ** 2).sum())  # a lower bound on P(equal) for independent draws
+    assert both > 100 and same / both < expected_same + 0.2, (same, both, expected_same)
+
+
+def test_ds2d_refuses_sampling(artifact):
+    from toolchain.errors import MobcError
+
+    model = StepModel(artifact)
+    forecast = np.zeros((M, model.manifest.model.hidden), np.float32)
+    with pytest.raises(MobcError, match="ds2d verifies greedily; use --temperature 0"):
+        list(make_policy("ds2d", model, forecast=forecast).generate(_prompt(), 4, Sampler(0.5)))
 
 
 def test_ctg_rejects_more_adapters_than_slots(artifact):
