@@ -235,6 +235,8 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
     with staging(out_dir, force) as tmp:
         with timer.stage("emit"):
             records, weights = write_graphs(tmp, graphs)
+            del graphs  # every weight now lives in weights.bin: the scratch copies can go
+            spill.clear()
             rope_rec = write_rope(tmp, rope)
             loaded.tokenizer.save_pretrained(tmp / "tokenizer")
             manifest = Manifest(

@@ -117,6 +117,17 @@ class Spill:
                 self._by_hash = {k: v for k, v in self._by_hash.items() if v[0] != path.name}
         return freed
 
+    def clear(self) -> int:
+        """Deletes every scratch file (once the graphs point elsewhere, e.g. at the emitted weights)."""
+        self._close()
+        freed = 0
+        for path in self.folder.iterdir():
+            if path.is_file():
+                freed += path.stat().st_size
+                path.unlink()
+        self._by_hash.clear()
+        return freed
+
     def _close(self) -> None:
         if self._file is not None:
             self._file.close()

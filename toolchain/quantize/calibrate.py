@@ -183,6 +183,8 @@ def _calibrate(sessions: ArtifactSessions, family: str, tokens: list[int], sampl
                 env.update(sessions.run_stage(st, {n: env[n] for n in st.input_names}))
         ranges[st.name] = cal.ranges()
         del cal
+        for f in work.glob(f"{Path(graphs.get(st.name, st.file)).stem}.augmented.onnx*"):
+            f.unlink()  # the calibrator's copy of the stage's weights: gone before the next stage's
     return ranges
 
 
