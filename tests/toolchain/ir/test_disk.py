@@ -39,6 +39,7 @@ def test_spill_dedupes_and_collects_unused_sections(tmp_path):
     np.testing.assert_array_equal(z.numpy(), big * 3)
     w = spill.store("w", big)  # stored again, not pointing at the deleted file
     np.testing.assert_array_equal(w.numpy(), big)
+    assert spill.clear() >= 2 * big.nbytes and not list(tmp_path.iterdir())  # after emit: nothing left
 
 
 def test_large_arrays_go_to_the_active_spill_only(tmp_path):
