@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from toolchain.cli.common import console, load_source, log, write_json
 from toolchain.compile.report import rich_table
@@ -23,7 +24,8 @@ def pack_cmd(
 
     out, ad = pack(artifact, peft_dir, name)
     console.print(f"[bold green]packed[/] {ad.name}: rank {ad.rank}, {len(ad.weights)} projections "
-                  f"({', '.join(ad.meta['targets'])}) -> {out}; use it with `mobc run {artifact} --adapter {ad.name}`")
+                  f"({', '.join(ad.meta['targets'])}) -> {escape(str(out))}; use it with "
+                  f"`mobc run {escape(str(artifact))} --adapter {ad.name}`")
 
 
 @app.command("train")

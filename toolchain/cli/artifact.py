@@ -55,7 +55,7 @@ def compile_cmd(
     v = result.manifest.verification or {"families": {}}
     worst = max((f["worst_max_abs"] for f in v["families"].values()), default=0.0)
     console.print(
-        f"[bold green]compiled[/] {result.manifest.name} -> [bold]{result.out_dir}[/] in "
+        f"[bold green]compiled[/] {result.manifest.name} -> [bold]{escape(str(result.out_dir))}[/] in "
         f"{time.perf_counter() - t:.0f} s; worst |diff| vs transformers {worst:.2e}"
         + (", greedy identical" if v.get("greedy", {}).get("identical") else "")
     )
@@ -80,7 +80,7 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder written b
     if damaged:
         console.print(f"[bold red]warning:[/] {escape('; '.join(damaged))}: the records below describe the "
                       "files as compiled, not as they are now")
-    console.print(f"[bold]{m.name}[/]  source {m.source['description']}  ({m.model.family}, "
+    console.print(f"[bold]{m.name}[/]  source {escape(str(m.source['description']))}  ({m.model.family}, "
                   f"{m.model.n_layers} layers, weights {m.weights['bytes'] / 1e6:,.1f} MB shared)")
     console.print(rich_table("Graphs", graphs_rows(m)))
     seen_io = set()
@@ -121,4 +121,4 @@ def verify(artifact: Path = typer.Argument(..., help="artifact folder written by
         reporter.stop()
     if not ok:
         raise typer.Exit(1)
-    console.print(f"[bold green]verified[/] {artifact}")
+    console.print(f"[bold green]verified[/] {escape(str(artifact))}")

@@ -86,7 +86,7 @@ def io_specs(values: Any) -> list[IOSpec]:
 # check to the swap with a lock file in the user cache (nothing is left beside the output when a
 # compile fails before it stages; the lock goes with the process at the latest)
 _PARKED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)$")
-_CLAIMS: dict[Path, int] = {}  # outputs this process holds the lock of -> the lock file's descriptor
+_CLAIMS: dict[Path, tuple[int, Path]] = {}  # outputs this process has locked -> (descriptor, lock file)
 
 
 def output_path(out_dir: Path) -> Path:
@@ -115,7 +115,10 @@ def describe(path: Path) -> str:
         return f"a symbolic link to {os.readlink(path)}"
     if not path.is_dir():
         return f"a file of {path.stat().st_size:,} bytes" if path.exists() else "not a folder"
-    names = sorted(p.name for p in path.iterdir())
+    try:
+        names = sorted(p.name for p in path.iterdir())
+    except OSError as exc:
+        return f"a folder mobc cannot list ({exc.strerror})"
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     entries = f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}"
     return f"a folder with {entries} ({shown}) and no mobc manifest"
@@ -137,7 +140,10 @@ def check_replaceable(out: Path, force: bool) -> None:
     """Raises unless out is absent, or (with force) an empty folder or a mobc artifact."""
     if not os.path.lexists(out):
         return
-    empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    try:
+        empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    except OSError:
+        empty = False
     if empty or is_artifact(out):
         if not force:
             raise ArtifactError(f"{out} already exists; pass --force to replace it (or --out another folder)")
@@ -178,13 +184,13 @@ def _lock_path(out: Path) -> Path:
     return root / (hashlib.sha256(str(out).encode()).hexdigest()[:24] + ".lock")
 
 
-def _lock(out: Path) -> int | None:
-    try:
-        path = _lock_path(out)
-    except OSError:
-        return None  # no writable cache: compile unlocked rather than not at all
+def _lock(out: Path) -> tuple[int, Path] | None:
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            path = _lock_path(out)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None  # no writable cache: compile unlocked rather than not at all
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -200,17 +206,17 @@ def _lock(out: Path) -> int | None:
         if same:
             os.ftruncate(fd, 0)
             os.write(fd, str(os.getpid()).encode())
-            return fd
+            return fd, path
         os.close(fd)
 
 
 def release(out: Path) -> None:
     """Gives up this process's lock on `out` (removing the lock file first, then unlocking)."""
-    fd = _CLAIMS.pop(out, None)
-    if fd is not None:
+    claim = _CLAIMS.pop(out, None)
+    if claim is not None:
         with contextlib.suppress(OSError):
-            os.unlink(_lock_path(out))
-        os.close(fd)
+            os.unlink(claim[1])
+        os.close(claim[0])
 
 
 def check_writable(out: Path) -> None:
@@ -235,8 +241,8 @@ def claim_output(out_dir: Path, force: bool) -> Path:
     check_replaceable(out, force)
     check_writable(out)
     sweep_stale(out.parent)
-    if out not in _CLAIMS and (fd := _lock(out)) is not None:
-        _CLAIMS[out] = fd
+    if out not in _CLAIMS and (claim := _lock(out)) is not None:
+        _CLAIMS[out] = claim
     return out
 
 
@@ -260,22 +266,21 @@ def staging(out_dir: Path, force: bool):
                 from None
         try:
             yield tmp
+            with _signals_held():
+                check_replaceable(out, force)  # the output may have changed during the compile
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                if os.path.lexists(out):
+                    out.rename(old)
+                try:
+                    tmp.rename(out)
+                except BaseException:
+                    if os.path.lexists(old):
+                        old.rename(out)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        with _signals_held():
-            check_replaceable(out, force)  # the output may have changed during the compile
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            if os.path.lexists(out):
-                out.rename(old)
-            try:
-                tmp.rename(out)
-            except BaseException:
-                if os.path.lexists(old):
-                    old.rename(out)
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
     finally:
         release(out)
 

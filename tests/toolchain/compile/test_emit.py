@@ -75,6 +75,16 @@ def test_force_replaces_an_artifact_or_an_empty_folder(tmp_path):
     assert _leftovers(tmp_path) == []  # no staging, backup or lock file left
 
 
+def test_an_output_that_changed_during_the_compile_is_kept(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ArtifactError, match="not a mobc artifact"):
+        with emit.staging(out, force=True) as tmp:
+            (tmp / "new.onnx").write_text("new")
+            out.mkdir()  # the user put something there meanwhile
+            (out / "mine.txt").write_text("x")
+    assert [p.name for p in out.iterdir()] == ["mine.txt"] and _leftovers(tmp_path) == []
+
+
 def test_case03_force_onto_a_file_keeps_it_and_leaves_nothing(tiny_source, tmp_path):
     target = tmp_path / "notes.txt"
     target.write_text("mine")
