@@ -88,7 +88,9 @@ def test_runtime_hashes_large_weights_beside_session_start(artifact_copy, monkey
 def test_a_staging_folder_of_another_process_is_not_an_artifact(tiny_artifact, tmp_path):
     import shutil
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     staging = tmp_path / f".tiny.partial-{int(dead.stdout)}"
     shutil.copytree(tiny_artifact, staging)
     with pytest.raises(ArtifactError, match="staging folder, not a finished mobc artifact.*interrupted"):

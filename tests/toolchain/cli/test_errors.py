@@ -15,8 +15,10 @@ RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 def _gguf_recipe(tmp_path: Path, blob: bytes) -> Path:
     (tmp_path / "model.gguf").write_bytes(blob)
     recipe = tmp_path / "g.yaml"
-    recipe.write_text(f"name: g\nsource: {{gguf: {tmp_path / 'model.gguf'}}}\n"
-                      f"graphs: {{decode: {{width: 1, context: 8}}}}\noutput: {tmp_path / 'out'}\n")
+    recipe.write_text(
+        f"name: g\nsource: {{gguf: {tmp_path / 'model.gguf'}}}\n"
+        f"graphs: {{decode: {{width: 1, context: 8}}}}\noutput: {tmp_path / 'out'}\n"
+    )
     return recipe
 
 
@@ -53,8 +55,12 @@ def test_case07_negative_or_nan_temperature(tiny_artifact):
 
 def test_case08_adapter_config_that_is_not_json(artifact_copy, tmp_path):
     manifest = json.loads((artifact_copy / "manifest.json").read_text())
-    manifest["passes"].append({"pass": "lora_inputs",  # as if compiled with lora_inputs (not read further)
-                               "options": {"targets": ["q_proj"], "max_rank": 4, "slots": 1}})
+    manifest["passes"].append(
+        {
+            "pass": "lora_inputs",  # as if compiled with lora_inputs (not read further)
+            "options": {"targets": ["q_proj"], "max_rank": 4, "slots": 1},
+        }
+    )
     (artifact_copy / "manifest.json").write_text(json.dumps(manifest))
     peft = tmp_path / "peft"
     peft.mkdir()
@@ -86,9 +92,11 @@ def test_case11_recipe_path_that_is_a_folder(tmp_path):
 def test_case12_recipes_of_models_mobc_trains_say_how_to_make_them(tmp_path):
     """On a fresh checkout these sources do not exist: the message names the `mobc train` command and
     how long it runs (copies in tmp_path: the relative paths resolve where nothing was trained)."""
-    for name, command in (("smollm2-135m-diffusion.yaml", "mobc train diffusion"),
-                          ("smollm2-135m-draft.yaml", "mobc train draft"),
-                          ("smollm2-135m-draft-lever.yaml", "mobc train draft")):
+    for name, command in (
+        ("smollm2-135m-diffusion.yaml", "mobc train diffusion"),
+        ("smollm2-135m-draft.yaml", "mobc train draft"),
+        ("smollm2-135m-draft-lever.yaml", "mobc train draft"),
+    ):
         (tmp_path / "recipes").mkdir(exist_ok=True)
         recipe = shutil.copy(RECIPES / name, tmp_path / "recipes" / name)
         r = run_main("compile", recipe)

@@ -30,7 +30,9 @@ def _recipe(tmp_path: Path, src: Path, name: str = "tiny", extra: str = "") -> P
 
 
 def _dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     return int(proc.stdout)
 
 
@@ -115,9 +117,13 @@ def test_case03_dead_compiles_staging_is_swept_and_never_loaded(tiny_artifact, t
 def test_case03_sigterm_during_emit_removes_staging_and_says_so(tiny_source, tmp_path):
     recipe = _recipe(tmp_path, tiny_source, name="term")
     out_parent = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "toolchain.cli.main", "compile", str(recipe)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolchain.cli.main", "compile", str(recipe)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+    )
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if list(out_parent.glob(".term.partial-*/decode.onnx")):
@@ -153,10 +159,16 @@ def test_one_compile_per_output_at_a_time(tmp_path):
     out = tmp_path / "busy"
     lock = emit._lock_path(out)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time\n"
-         f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
-         "os.write(fd, str(os.getpid()).encode())\nprint('locked', flush=True)\ntime.sleep(60)"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "os.write(fd, str(os.getpid()).encode())\nprint('locked', flush=True)\ntime.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(ArtifactError, match=f"another mobc compile \\(pid {holder.pid}\\) is writing"):
