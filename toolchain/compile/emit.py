@@ -81,11 +81,12 @@ def io_specs(values: Any) -> list[IOSpec]:
     ]
 
 
-# staging and backup folders beside an output: .NAME.partial-PID (being written), .NAME.old-PID (the
+# staging, scratch and backup folders beside an output: .NAME.partial-PID (being written), .NAME.scratch-PID
+# (weights the compile created, toolchain/ir/disk.py), .NAME.old-PID (the
 # artifact being replaced, for the instant of the swap). A compile locks its output from its first
 # check to the swap with a lock file in the user cache (nothing is left beside the output when a
 # compile fails before it stages; the lock goes with the process at the latest)
-_PARKED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)$")
+_PARKED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old|scratch)-(?P<pid>\d+)$")
 _CLAIMS: dict[Path, tuple[int, Path]] = {}  # outputs this process has locked -> (descriptor, lock file)
 
 

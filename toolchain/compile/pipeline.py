@@ -6,8 +6,9 @@ can show progress without the pipeline knowing about terminals.
 
 from __future__ import annotations
 
+import os
 import platform
-import tempfile
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -209,13 +210,17 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
     with timer.stage("load model", recipe.source.describe()):
         loaded = load(recipe.source, base=recipe_path.parent, stream=True)
     check_against_model(recipe, getattr(loaded.config, "max_position_embeddings", None))
-    out_dir.resolve().parent.mkdir(parents=True, exist_ok=True)
     # tensors the export and the passes create live in a scratch folder beside the output (same
-    # disk as the artifact), never all in memory; it goes away with the compile
-    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.scratch-", dir=out_dir.resolve().parent) as scratch:
-        spill = disk.Spill(Path(scratch))
+    # disk as the artifact), never all in memory; it goes away with the compile (and, named with
+    # our PID like the staging folder, is swept by the next compile if this process is killed)
+    scratch = out_dir.resolve().parent / f".{out_dir.name}.scratch-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        spill = disk.Spill(scratch)
         with disk.spilling(spill):
             return _compile(recipe, recipe_path, out_dir, force, loaded, timer, spill)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, loaded: LoadedModel,

@@ -105,13 +105,16 @@ def test_case03_dead_compiles_staging_is_swept_and_never_loaded(tiny_artifact, t
     shutil.copytree(tiny_artifact, stale)  # what a SIGKILL during verify leaves: a complete-looking folder
     running = out / f".other.partial-{os.getpid()}"  # a live compile's folder is left alone
     running.mkdir()
+    scratch = out / f".tiny.scratch-{pid}"  # a killed compile's spilled weights (toolchain/ir/disk.py)
+    scratch.mkdir()
+    (scratch / "spill001-weights.bin").write_bytes(b"\0" * 64)
     r = run_main("inspect", stale)
     assert r.clean_error and "staging folder" in r.err and f"pid {pid}" in r.err
     recipe = _recipe(tmp_path, tiny_source)
     recipe.write_text(recipe.read_text().replace(f"path: {tiny_source}", f"path: {tmp_path / 'gone'}"))
     r = run_main("compile", recipe)  # fails loading its source, after sweeping beside its output
     assert r.clean_error and "source.path" in r.err
-    assert not stale.exists() and running.is_dir()
+    assert not stale.exists() and not scratch.exists() and running.is_dir()
 
 
 def test_case03_sigterm_during_emit_removes_staging_and_says_so(tiny_source, tmp_path):
