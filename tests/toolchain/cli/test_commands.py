@@ -56,12 +56,27 @@ def test_run_lever_without_a_draft(tree_artifacts, capsys, monkeypatch):
     assert_user_error(code, err, "--draft")
 
 
-@pytest.mark.parametrize(("spec", "needle"), [("nonsense:3", "use humaneval:N or file:PATH"),
-                                              ("file:{tmp}/missing.txt", "missing.txt")], ids=["kind", "file"])
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [("nonsense:3", "use humaneval:N or file:PATH"), ("file:{tmp}/missing.txt", "missing.txt")],
+    ids=["kind", "file"],
+)
 def test_bench_with_bad_prompts(tree_artifacts, tmp_path, capsys, monkeypatch, spec, needle):
     target, draft = tree_artifacts
-    code, _, err = mobc(capsys, monkeypatch, "bench", "decode", str(target), "--draft", str(draft), "--prompts",
-                        spec.format(tmp=tmp_path), "--no-llamacpp", "--max-new-tokens", "8")
+    code, _, err = mobc(
+        capsys,
+        monkeypatch,
+        "bench",
+        "decode",
+        str(target),
+        "--draft",
+        str(draft),
+        "--prompts",
+        spec.format(tmp=tmp_path),
+        "--no-llamacpp",
+        "--max-new-tokens",
+        "8",
+    )
     assert_user_error(code, err, needle)
 
 
@@ -69,8 +84,22 @@ def test_bench_decode_with_an_unknown_policy(tree_artifacts, tmp_path, capsys, m
     target, draft = tree_artifacts
     prompts = tmp_path / "p.txt"
     prompts.write_text(PROMPT)
-    code, _, err = mobc(capsys, monkeypatch, "bench", "decode", str(target), "--draft", str(draft), "--policies",
-                        "ar,nosuch", "--prompts", f"file:{prompts}", "--no-llamacpp", "--max-new-tokens", "8")
+    code, _, err = mobc(
+        capsys,
+        monkeypatch,
+        "bench",
+        "decode",
+        str(target),
+        "--draft",
+        str(draft),
+        "--policies",
+        "ar,nosuch",
+        "--prompts",
+        f"file:{prompts}",
+        "--no-llamacpp",
+        "--max-new-tokens",
+        "8",
+    )
     assert_user_error(code, err, "unknown policy 'nosuch'")
 
 
@@ -102,8 +131,9 @@ def dlm(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_dlm")
     hf = save_tiny(root / "hf", "llama", seed=5)
     write_form(hf, DiffusionForm(mask_token_id=3))
-    recipe = write_recipe(root / "d.yaml", hf, name="tiny-dlm",
-                          graphs="  diffusion: {width: 8, context: 64, role: diffusion}\n")
+    recipe = write_recipe(
+        root / "d.yaml", hf, name="tiny-dlm", graphs="  diffusion: {width: 8, context: 64, role: diffusion}\n"
+    )
     recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
     return compile_recipe(recipe).out_dir
 
@@ -134,9 +164,27 @@ def test_train_predictor_writes_a_predictor_lever_prune_uses(tree_artifacts, nea
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n---\n".join([PROMPT, "import os\nimport sys\n", "class A:\n    def __init__(self"]))
     out = tmp_path / "predictor.json"
-    res = runner.invoke(app, ["train", "predictor", str(target), "--draft", str(near_draft), "--prompts",
-                              f"file:{prompts}", "--skip", "0", "--minutes", "0.5", "--max-new-tokens", "24",
-                              "--out", str(out)], terminal_width=200)
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "predictor",
+            str(target),
+            "--draft",
+            str(near_draft),
+            "--prompts",
+            f"file:{prompts}",
+            "--skip",
+            "0",
+            "--minutes",
+            "0.5",
+            "--max-new-tokens",
+            "24",
+            "--out",
+            str(out),
+        ],
+        terminal_width=200,
+    )
     assert res.exit_code == 0, (res.output, res.exception)
     spec = json.loads(out.read_text())
     assert spec["layer"] == 1 and len(spec["weights"]) == 5 and "held-out: precision" in res.stdout
@@ -151,27 +199,73 @@ def test_train_predictor_writes_a_predictor_lever_prune_uses(tree_artifacts, nea
 def test_train_forecast_then_run_ds2d(lora_artifact, tmp_path):
     artifact, _ = lora_artifact
     out = tmp_path / "forecast.npz"
-    res = runner.invoke(app, ["train", "forecast", str(artifact), "--minutes", "0.02", "--seq-len", "32",
-                              "--anchors", "4", "--out", str(out)], terminal_width=200)
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "forecast",
+            str(artifact),
+            "--minutes",
+            "0.02",
+            "--seq-len",
+            "32",
+            "--anchors",
+            "4",
+            "--out",
+            str(out),
+        ],
+        terminal_width=200,
+    )
     assert res.exit_code == 0, (res.output, res.exception)
     emb = np.load(out)["forecast_embeds"]
     assert emb.ndim == 2 and emb.shape[1] == 64 and np.isfinite(emb).all()
     common = [str(artifact), "--prompt", PROMPT, "--max-new-tokens", "10"]
-    assert _run(*common, "--policy", "ds2d", "--forecast", str(out), speculative=True) == _run(*common)  # lossless
+    assert _run(*common, "--policy", "ds2d", "--forecast", str(out), speculative=True) == _run(
+        *common
+    )  # lossless
 
 
 def test_adapter_train_pack_verify(lora_artifact, tmp_path):
     artifact, _ = lora_artifact
     peft = tmp_path / "style"
-    res = runner.invoke(app, ["adapter", "train", str(artifact), "--out", str(peft), "--steps", "3", "--rank", "4",
-                              "--seq-len", "32"], terminal_width=200)
+    res = runner.invoke(
+        app,
+        [
+            "adapter",
+            "train",
+            str(artifact),
+            "--out",
+            str(peft),
+            "--steps",
+            "3",
+            "--rank",
+            "4",
+            "--seq-len",
+            "32",
+        ],
+        terminal_width=200,
+    )
     assert res.exit_code == 0, (res.output, res.exception)
     assert (peft / "adapter_config.json").is_file() and "trained" in res.stdout
     res = runner.invoke(app, ["adapter", "pack", str(artifact), str(peft), "--name", "cli-style"])
     assert res.exit_code == 0, (res.output, res.exception)
     js = tmp_path / "verify.json"
-    res = runner.invoke(app, ["adapter", "verify", str(artifact), "cli-style", "--tokens", "16", "--greedy", "6",
-                              "--json", str(js)], terminal_width=200)
+    res = runner.invoke(
+        app,
+        [
+            "adapter",
+            "verify",
+            str(artifact),
+            "cli-style",
+            "--tokens",
+            "16",
+            "--greedy",
+            "6",
+            "--json",
+            str(js),
+        ],
+        terminal_width=200,
+    )
     assert res.exit_code == 0, (res.output, res.exception)
     row = json.loads(js.read_text())["rows"][0]
     # the artifact with the adapter bound computes PEFT's model, and the adapter really changes it
