@@ -271,3 +271,57 @@ def test_adapter_train_pack_verify(lora_artifact, tmp_path):
     # the artifact with the adapter bound computes PEFT's model, and the adapter really changes it
     assert row["artifact_vs_peft"] < 1e-3 and row["peft_vs_base"] > 10 * row["artifact_vs_peft"]
     assert row["greedy_identical"]
+
+
+def test_train_draft_and_diffusion_write_models_that_compile(tmp_path):
+    """`mobc train draft` (with --recipe-out) and `mobc train diffusion` on a tiny recipe, a second of
+    training each: the outputs are Hugging Face folders the compiler reads (the draft's recipe compiles)."""
+    from toolchain.compile.pipeline import compile_recipe
+    from toolchain.diffusion.form import read_form
+
+    recipe = write_recipe(tmp_path / "t.yaml", save_tiny(tmp_path / "hf", "llama"), name="tiny-target")
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "draft",
+            str(recipe),
+            "--out",
+            str(tmp_path / "draft"),
+            "--layers",
+            "1",
+            "--minutes",
+            "0.01",
+            "--seq-len",
+            "32",
+            "--corpus-tokens",
+            "2048",
+            "--recipe-out",
+            str(tmp_path / "draft.yaml"),
+        ],
+        terminal_width=200,
+    )
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "held-out top-1 agreement" in res.stdout
+    assert compile_recipe(tmp_path / "draft.yaml", out=tmp_path / "draft-art").manifest.model.n_layers == 1
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "diffusion",
+            str(recipe),
+            "--out",
+            str(tmp_path / "dlm"),
+            "--minutes",
+            "0.01",
+            "--seq-len",
+            "32",
+            "--block",
+            "8",
+            "--mask-token",
+            "<pad>",
+        ],
+        terminal_width=200,
+    )
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert read_form(tmp_path / "dlm") is not None
