@@ -27,7 +27,7 @@ compile: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 	# the offline CI export job (ci/) on a tiny recipe: compile, verify, local QNN binaries, AI Hub dry run
 	$(PY) ci/export.py --tiny
 
