@@ -56,50 +56,28 @@ def test_run_lever_without_a_draft(tree_artifacts, capsys, monkeypatch):
     assert_user_error(code, err, "--draft")
 
 
+def _bench_decode(capsys, monkeypatch, artifacts, *args: str):
+    """`mobc bench decode TARGET --draft DRAFT ARGS...` without llama.cpp, 8 new tokens."""
+    target, draft = artifacts
+    return mobc(capsys, monkeypatch, "bench", "decode", str(target), "--draft", str(draft), *args,
+                "--no-llamacpp", "--max-new-tokens", "8")
+
+
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [("nonsense:3", "use humaneval:N or file:PATH"), ("file:{tmp}/missing.txt", "missing.txt")],
     ids=["kind", "file"],
 )
 def test_bench_with_bad_prompts(tree_artifacts, tmp_path, capsys, monkeypatch, spec, needle):
-    target, draft = tree_artifacts
-    code, _, err = mobc(
-        capsys,
-        monkeypatch,
-        "bench",
-        "decode",
-        str(target),
-        "--draft",
-        str(draft),
-        "--prompts",
-        spec.format(tmp=tmp_path),
-        "--no-llamacpp",
-        "--max-new-tokens",
-        "8",
-    )
+    code, _, err = _bench_decode(capsys, monkeypatch, tree_artifacts, "--prompts", spec.format(tmp=tmp_path))
     assert_user_error(code, err, needle)
 
 
 def test_bench_decode_with_an_unknown_policy(tree_artifacts, tmp_path, capsys, monkeypatch):
-    target, draft = tree_artifacts
     prompts = tmp_path / "p.txt"
     prompts.write_text(PROMPT)
-    code, _, err = mobc(
-        capsys,
-        monkeypatch,
-        "bench",
-        "decode",
-        str(target),
-        "--draft",
-        str(draft),
-        "--policies",
-        "ar,nosuch",
-        "--prompts",
-        f"file:{prompts}",
-        "--no-llamacpp",
-        "--max-new-tokens",
-        "8",
-    )
+    code, _, err = _bench_decode(capsys, monkeypatch, tree_artifacts, "--policies", "ar,nosuch",
+                                 "--prompts", f"file:{prompts}")
     assert_user_error(code, err, "unknown policy 'nosuch'")
 
 
