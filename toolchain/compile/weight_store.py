@@ -9,7 +9,6 @@ fp16 checkpoints) are upcast one tensor at a time into the compile's spill.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,21 +89,20 @@ class WeightStore:
     def raw(self, name: str) -> np.ndarray:
         """The tensor as stored (its own dtype), in fresh memory."""
         t = self.entry(name)
-        with open(t.file, "rb") as f:
-            data = os.pread(f.fileno(), t.length, t.offset)
-        return np.frombuffer(bytearray(data), dtype=t.dtype.numpy()).reshape(t.shape)
+        return _on_disk(t, name, t.file.parent, t.file.name).numpy()
 
     def float32(self, name: str) -> np.ndarray:
         arr = self.raw(name)
         return arr if arr.dtype == np.float32 else arr.astype(np.float32)
 
-    def bytes_of(self, dtype: ir.DataType = ir.DataType.FLOAT) -> int:
-        return sum(int(np.prod(t.shape)) * dtype.itemsize for t in self.tensors.values())
-
     def graph_tensor(self, name: str, ir_name: str, spill: Spill) -> ir.TensorProtocol:
         """The weight as an fp32 graph initializer: the checkpoint's own bytes when they are fp32."""
         t = self.entry(name)
         if t.dtype == ir.DataType.FLOAT:
-            return DiskTensor(spill.adopt(t.file), t.offset, t.length, t.dtype, shape=ir.Shape(t.shape),
-                              name=ir_name, base_dir=spill.folder)
+            return _on_disk(t, ir_name, spill.folder, spill.adopt(t.file))
         return spill.store(ir_name, self.float32(name))
+
+
+def _on_disk(t: StoredTensor, name: str, base_dir: Path, location: str) -> DiskTensor:
+    """A DiskTensor over a stored tensor's bytes (`location` names its file relative to base_dir)."""
+    return DiskTensor(location, t.offset, t.length, t.dtype, shape=ir.Shape(t.shape), name=name, base_dir=base_dir)
