@@ -215,26 +215,39 @@ def load(spec: SourceSpec, base: Path | None = None, stream: bool = False) -> Lo
     return _loaded(spec, model, tokenizer, fingerprint, source_files, None if gguf else folder, None)
 
 
-def _load_full(spec: SourceSpec, folder: Path, gguf: str | None, cached: Path) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    kw: dict[str, Any] = {"local_files_only": True}
-    if gguf:
-        kw["gguf_file"] = gguf
+@contextlib.contextmanager
+def _loading(spec: SourceSpec):
+    """Quiet transformers loading whose failures become one SourceError naming the source."""
     try:
         with quiet():
-            config = AutoConfig.from_pretrained(folder, **kw)
-            config = getattr(config, "text_config", None) or config
-            check_architecture(config)
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=torch.float32, attn_implementation="eager", **kw
-            )
-            tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+            yield
     except (UnsupportedModelError, SourceError):
         raise
     except (OSError, ValueError, KeyError, struct.error) as exc:  # struct.error: a truncated .gguf
         raise SourceError(f"source {spec.describe()}: could not load the model offline: {exc}") from None
+
+
+def _text_config(folder: Path, **kw: Any) -> Any:
+    """The (text) config of a checkpoint, refused early when mobc cannot capture its architecture."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, **kw)
+    config = getattr(config, "text_config", None) or config
+    check_architecture(config)
+    return config
+
+
+def _load_full(spec: SourceSpec, folder: Path, gguf: str | None, cached: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict[str, Any] = {"local_files_only": True}
+    if gguf:
+        kw["gguf_file"] = gguf
+    with _loading(spec):
+        _text_config(folder, **kw)  # refuses an unsupported architecture before loading weights
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", **kw)
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     check_architecture(model.config)
     model.eval()
     if gguf:
@@ -248,20 +261,13 @@ def _load_full(spec: SourceSpec, folder: Path, gguf: str | None, cached: Path) -
 
 
 def _load_streamed(spec: SourceSpec, folder: Path, fingerprint: str, source_files: list[Path]) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from toolchain.compile.streamed import streamed_model
 
-    try:
-        with quiet():
-            config = AutoConfig.from_pretrained(folder, local_files_only=True)
-            config = getattr(config, "text_config", None) or config
-            check_architecture(config)
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (UnsupportedModelError, SourceError):
-        raise
-    except (OSError, ValueError, KeyError) as exc:
-        raise SourceError(f"source {spec.describe()}: could not load the model offline: {exc}") from None
+    with _loading(spec):
+        config = _text_config(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     store = WeightStore.of_folder(folder)
     try:
         model = streamed_model(config, store)
