@@ -33,7 +33,7 @@ from toolchain.errors import MobcError, PassError
 from toolchain.ir import disk
 from toolchain.ir.graph import layer_of, weight_bytes
 from toolchain.ir.graphset import GraphEntry, GraphSet
-from toolchain.runtime.sessions import PART_BUDGET_BYTES
+from toolchain.runtime.sessions import PART_BUDGET_BYTES, reopenable_session_options
 
 Feeds = dict[str, dict[str, np.ndarray]]
 
@@ -41,14 +41,6 @@ Feeds = dict[str, dict[str, np.ndarray]]
 # A stage whose weights exceed this is run in temporary layer parts (split_layers' cut), each
 # its own session, so checking a 8B graph needs one part's memory, not the model's.
 RUN_PART_BYTES = PART_BUDGET_BYTES
-
-
-def session_options() -> ort.SessionOptions:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    opts.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of each weight
-    return opts
 
 
 def save_for_ort(model: ir.Model, folder: Path, stem: str = "graph") -> Path:
@@ -76,7 +68,7 @@ def _ort_run_whole(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str,
         stem = f"check-{os.getpid()}-{entry.name}"
         path = save_for_ort(entry.model, folder, stem)
         try:
-            sess = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
+            sess = ort.InferenceSession(str(path), reopenable_session_options(), providers=["CPUExecutionProvider"])
         except Exception as exc:
             raise PassError(f"graph {entry.name!r} does not load in onnxruntime: {exc}") from exc
         finally:

@@ -176,14 +176,15 @@ def _calibrate(sessions: ArtifactSessions, family: str, tokens: list[int], sampl
     # stage by stage, so one stage's calibrator (a session over its weights) exists at a time:
     # a 3B model calibrates in one part's memory
     for i, st in enumerate(chain):
-        cal = GraphCalibrator(graphs.get(st.name, sessions.folder / st.file), work)
+        path = graphs.get(st.name, sessions.folder / st.file)
+        cal = GraphCalibrator(path, work)
         for env in envs:
             cal.add(env)
             if i < len(chain) - 1:  # later stages need this stage's real outputs
                 env.update(sessions.run_stage(st, {n: env[n] for n in st.input_names}))
         ranges[st.name] = cal.ranges()
         del cal
-        for f in work.glob(f"{Path(graphs.get(st.name, st.file)).stem}.augmented.onnx*"):
+        for f in work.glob(f"{path.stem}.augmented.onnx*"):
             f.unlink()  # the calibrator's copy of the stage's weights: gone before the next stage's
     return ranges
 
