@@ -102,8 +102,21 @@ def test_existing_output_needs_force(compiled):
 def test_failed_verification_leaves_nothing(tiny_dir, tmp_path):
     recipe = write_recipe(tmp_path / "t.yaml", tiny_dir, name="strict",
                           extra="tolerance: {max_abs: 1.0e-12}\n")
+    from toolchain.compile.pipeline import Reporter
+
+    class Recording(Reporter):
+        def __init__(self):
+            self.done_stages: list[str] = []
+
+        def done(self, stage, seconds, detail=""):
+            self.done_stages.append(stage)
+
+    reporter = Recording()
     with pytest.raises(VerificationError, match=r"graph 'decode': output .* tolerance.max_abs 1e-12"):
-        compile_recipe(recipe)
+        compile_recipe(recipe, reporter=reporter)
+    # the failing check is never reported as a finished (checked) stage
+    assert "emit" in reporter.done_stages
+    assert not [s for s in reporter.done_stages if s.startswith("verify decode")]
     out_parent = tmp_path / "out"
     assert not (out_parent / "strict").exists()
     assert not list(out_parent.glob(".strict*"))  # no staging leftovers
