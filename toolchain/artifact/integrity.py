@@ -29,6 +29,7 @@ from toolchain.errors import ArtifactError
 
 # inside deferred_hashing(), unverified files from this size on are hashed in the background
 DEFER_BYTES = 16 << 20
+BACKGROUND_NICE = 19  # the background hash runs only on otherwise idle CPU
 _DEFERRED: contextvars.ContextVar[list[Pending] | None] = contextvars.ContextVar(
     "mobc_deferred", default=None
 )
@@ -162,6 +163,7 @@ class Pending:
         self._thread.start()
 
     def _run(self, files: list[tuple[str, Path, str]]) -> None:
+        _yield_cpu()
         for rel, path, digest in files:
             if problem := _compare(rel, path, digest):
                 self.problems.append(problem)
@@ -170,6 +172,15 @@ class Pending:
         self._thread.join()
         if self.problems:
             raise _damaged(self.folder, self.manifest, self.problems)
+
+
+def _yield_cpu() -> None:
+    """Lowers the calling thread's priority (Linux: nice is per thread), so the background hash
+    takes the cores the start-up leaves idle instead of slowing the sessions it runs beside."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # no per-thread priority here: the hash just runs at normal priority
+        pass
 
 
 @contextmanager

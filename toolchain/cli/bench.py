@@ -1,4 +1,4 @@
-"""`mobc bench decode|lever|diffusion|ctg|ds2d|compile`: each policy family against its baseline, as tables."""
+"""`mobc bench decode|lever|diffusion|ctg|ds2d|compile|startup`: each policy family against its baseline, as tables."""
 
 from __future__ import annotations
 
@@ -333,3 +333,27 @@ def bench_compile(
     write_json(json_out, {"rows": rows})
     if any(r["exit_code"] for r in rows):
         raise typer.Exit(1)
+
+
+@app.command("startup")
+def bench_startup(
+    artifact: Path = typer.Argument(..., help="artifact folder written by mobc compile"),
+    prompt: str = typer.Option("def fibonacci(n):", "--prompt"),
+    rounds: int = typer.Option(7, "--rounds", min=1, help="interleaved rounds (one run per mode each)"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """What the integrity check adds to a `mobc run` start: unchecked vs cold vs warm cache, interleaved."""
+    from toolchain.artifact.manifest import Manifest
+    from toolchain.bench.startup import MODES, measure
+
+    Manifest.load(artifact)  # a damaged or missing artifact is one clear error, before any timing
+    res = measure(artifact, prompt, rounds, progress=log)
+    table = Table(title=f"mobc run start ({artifact}, --max-new-tokens 1), medians of {rounds} interleaved rounds")
+    for col in ("integrity check", "wall s", "min-max s", "vs unchecked", "added", "peak RSS"):
+        table.add_column(col, justify="left" if col == "integrity check" else "right")
+    for mode in MODES:
+        r = res["modes"][mode]
+        table.add_row(mode, f"{r['median_s']:.2f}", f"{r['min_s']:.2f}-{r['max_s']:.2f}", f"{r['ratio']:.3f}x",
+                      f"{r['added_s'] * 1e3:+.0f} ms", f"{r['peak_rss_bytes'] / 1e9:.2f} GB")
+    console.print(table)
+    write_json(json_out, res)

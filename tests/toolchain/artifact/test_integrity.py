@@ -85,6 +85,32 @@ def test_runtime_hashes_large_weights_beside_session_start(artifact_copy, monkey
         model.prefill([1, 2, 3])
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_background_hash_runs_at_low_priority(artifact_copy, monkeypatch):
+    """The deferred sha256 takes idle CPU only: its thread is niced below the sessions it runs beside."""
+    import threading
+
+    from toolchain.artifact import integrity
+
+    seen: list[int] = []
+    real = integrity._compare
+
+    def recording(rel, path, digest):  # small files are still hashed on the calling thread
+        if threading.current_thread() is not threading.main_thread():
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(rel, path, digest)
+
+    monkeypatch.setattr(integrity, "_compare", recording)
+    monkeypatch.setattr(integrity, "DEFER_BYTES", 1024)
+    with integrity.deferred_hashing() as pending:
+        Manifest.load(artifact_copy)
+    assert pending, "weights.bin was not left to the background check"
+    for p in pending:
+        p.wait()
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen and all(nice > main for nice in seen), (seen, main)
+
+
 def test_a_staging_folder_of_another_process_is_not_an_artifact(tiny_artifact, tmp_path):
     import shutil
 
