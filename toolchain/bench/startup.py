@@ -29,7 +29,7 @@ def run_once(mode: str, artifact: Path, prompt: str, cache: Path) -> dict[str, A
     env = {**os.environ, "MOBC_CACHE": str(cache)}
     if mode == "cold":
         shutil.rmtree(cache / "verified", ignore_errors=True)
-    cmd = [sys.executable, "-m", "toolchain.bench.startup", mode, str(artifact), prompt]
+    cmd = [sys.executable, "-m", "toolchain.cli.startup_child", mode, str(artifact), prompt]
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -50,30 +50,21 @@ def measure(artifact: Path, prompt: str, rounds: int, progress=lambda msg: None)
         for r in range(rounds):
             for mode in MODES:
                 samples[mode].append(run_once(mode, artifact, prompt, cache))
-            progress(f"round {r + 1}/{rounds}: " + ", ".join(
-                f"{m} {samples[m][-1]['seconds']:.2f} s" for m in MODES))
+            progress(
+                f"round {r + 1}/{rounds}: "
+                + ", ".join(f"{m} {samples[m][-1]['seconds']:.2f} s" for m in MODES)
+            )
     rows = {}
     for mode in MODES:
         secs = [s["seconds"] for s in samples[mode]]
-        rows[mode] = {"median_s": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
-                      "peak_rss_bytes": max(s["peak_rss_bytes"] for s in samples[mode])}
+        rows[mode] = {
+            "median_s": statistics.median(secs),
+            "min_s": min(secs),
+            "max_s": max(secs),
+            "peak_rss_bytes": max(s["peak_rss_bytes"] for s in samples[mode]),
+        }
     base = rows["unchecked"]["median_s"]
     for mode in MODES:
         rows[mode]["ratio"] = rows[mode]["median_s"] / base
         rows[mode]["added_s"] = rows[mode]["median_s"] - base
     return {"artifact": str(artifact), "rounds": rounds, "modes": rows}
-
-
-def _child(mode: str, artifact: str, prompt: str) -> None:
-    from toolchain.artifact import integrity
-
-    if mode == "unchecked":
-        integrity.check_files = lambda folder, manifest: None
-    from toolchain.cli.main import main
-
-    sys.argv = ["mobc", "run", artifact, "--prompt", prompt, "--max-new-tokens", "1"]
-    main()
-
-
-if __name__ == "__main__":
-    _child(*sys.argv[1:4])
