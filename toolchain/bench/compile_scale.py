@@ -34,7 +34,8 @@ W4A16 = {"method": "ptq", "weights": "int4", "granularity": "block", "block_size
 def recipe_for(size: str, checkpoint: Path, variant: str, context: int, prefill: int) -> dict[str, Any]:
     recipe: dict[str, Any] = {
         "name": f"llama-{size}-{variant}",
-        "source": {"path": str(checkpoint)},
+        # absolute: a relative source path resolves from the recipe's folder, not from the cwd
+        "source": {"path": str(checkpoint.resolve())},
         "graphs": {"decode": {"width": 1, "context": context}, "prefill": {"width": prefill, "context": context}},
         "passes": NPU_PASSES,
         "tolerance": {"max_abs": 1.0e-3},

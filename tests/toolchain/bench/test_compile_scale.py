@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,3 +50,11 @@ def test_child_compile_is_measured_and_verified(tmp_path):
     assert passes == ["fold_constants", "scale_rmsnorm", "mha_to_sha", "linear_to_conv", "split_lm_head",
                       "split_parts", "check_htp"]
     assert not np.isnan(v["logits_max_abs"])
+
+
+def test_recipe_names_its_checkpoint_absolutely(tmp_path, monkeypatch):
+    """`--work build/x` is relative to the cwd, the recipe's source path to the recipe's folder:
+    a relative checkpoint path doubled into build/x/build/x/... and every compile failed."""
+    monkeypatch.chdir(tmp_path)
+    recipe = recipe_for("tiny", Path("work") / "llama-tiny", "npu", context=64, prefill=8)
+    assert recipe["source"]["path"] == str(tmp_path / "work" / "llama-tiny")
