@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from toolchain.cli import adapter, artifact, bench, evaluate, hub, run, train
+from toolchain.cli import adapter, artifact, bench, bundle, evaluate, hub, run, train
 from toolchain.cli.common import err, print_error
 from toolchain.errors import Interrupted, MobcError
 
@@ -35,6 +35,7 @@ app.add_typer(train.app, name="train")
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(adapter.app, name="adapter")
 app.add_typer(hub.app, name="hub")
+app.add_typer(bundle.app, name="bundle")
 
 
 def _on_signal(signum: int, frame: object) -> None:

@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -137,15 +138,16 @@ def is_artifact(folder: Path) -> bool:
     return isinstance(data, dict) and str(data.get("format", "")).startswith("mobc-artifact/")
 
 
-def check_replaceable(out: Path, force: bool) -> None:
-    """Raises unless out is absent, or (with force) an empty folder or a mobc artifact."""
+def check_replaceable(out: Path, force: bool, is_ours: Callable[[Path], bool] = is_artifact) -> None:
+    """Raises unless out is absent, or (with force) an empty folder or a mobc artifact (`is_ours`:
+    what else mobc wrote there and may replace, e.g. a bundle)."""
     if not os.path.lexists(out):
         return
     try:
         empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
     except OSError:
         empty = False
-    if empty or is_artifact(out):
+    if empty or is_ours(out):
         if not force:
             raise ArtifactError(f"{out} already exists; pass --force to replace it (or --out another folder)")
         return
@@ -234,12 +236,12 @@ def check_writable(out: Path) -> None:
                             "choose another --out")
 
 
-def claim_output(out_dir: Path, force: bool) -> Path:
+def claim_output(out_dir: Path, force: bool, is_ours: Callable[[Path], bool] = is_artifact) -> Path:
     """Before any work: checks that out_dir may be (re)placed, sweeps dead compiles' staging folders
     beside it and locks it against concurrent compiles. Returns the normalized output path; the
     lock is released by `staging` (or when the process ends)."""
     out = output_path(out_dir)
-    check_replaceable(out, force)
+    check_replaceable(out, force, is_ours)
     check_writable(out)
     sweep_stale(out.parent)
     if out not in _CLAIMS and (claim := _lock(out)) is not None:
@@ -248,13 +250,13 @@ def claim_output(out_dir: Path, force: bool) -> Path:
 
 
 @contextmanager
-def staging(out_dir: Path, force: bool):
+def staging(out_dir: Path, force: bool, is_ours: Callable[[Path], bool] = is_artifact):
     """Yields a temporary folder; on success it replaces out_dir atomically, else it is removed.
 
     Only an absent output, an empty folder or a mobc artifact is replaced (never a user's folder,
     a file or a symlink's target); the swap runs with SIGINT/SIGTERM held back so an interrupt
     never lands between moving the old artifact aside and moving the new one in."""
-    out = claim_output(out_dir, force)
+    out = claim_output(out_dir, force, is_ours)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         if tmp.is_symlink():
@@ -268,7 +270,7 @@ def staging(out_dir: Path, force: bool):
         try:
             yield tmp
             with _signals_held():
-                check_replaceable(out, force)  # the output may have changed during the compile
+                check_replaceable(out, force, is_ours)  # the output may have changed during the compile
                 old = out.parent / f".{out.name}.old-{os.getpid()}"
                 if os.path.lexists(out):
                     out.rename(old)

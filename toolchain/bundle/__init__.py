@@ -1,0 +1,1 @@
+"""Deployable bundles: artifacts in the formats phone runtimes load (onnxruntime-genai)."""
