@@ -1,0 +1,154 @@
+"""`mobc bundle genai`: onnxruntime-genai itself loads the bundle and generates what mobc generates."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from tests.cli_main import run_main
+from toolchain.bundle import genai_stages
+from toolchain.bundle.genai import CONFIG, write_bundle
+from toolchain.bundle.genai_check import check_structure
+from toolchain.bundle.genai_run import verify_bundle
+from toolchain.errors import ArtifactError
+
+# shorter than, exactly, and longer than one prompt window of the tiny artifact (width 4, context 32)
+PROMPTS = [[5, 9, 11], [17, 3, 4, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+
+
+def test_genai_generates_what_mobc_generates(tiny_artifact, tmp_path):
+    summary = write_bundle(tiny_artifact, tmp_path / "b")
+    check = verify_bundle(summary.folder, PROMPTS, tokens=16)
+    assert check.identical, [(r.genai.tokens, r.mobc.tokens) for r in check.results]
+    assert all(len(r.mobc.tokens) == 16 for r in check.results)
+    # weights are hard links into the artifact, not copies
+    assert os.stat(summary.folder / "weights.bin").st_ino == os.stat(tiny_artifact / "weights.bin").st_ino
+    assert summary.copied_bytes == 0 and summary.written_bytes < summary.linked_bytes
+    config = json.loads((summary.folder / CONFIG).read_text())["model"]
+    assert config["type"] == "decoder-pipeline" and config["context_length"] == 32
+    assert config["decoder"]["sliding_window"]["window_size"] == 4
+    assert all(not r.problem for r in check_structure(summary.folder))
+
+
+def test_a_bundle_whose_masks_are_wrong_is_caught(tiny_artifact, tmp_path, monkeypatch):
+    """An additive mask of 0 lets every row see empty slots and later rows: verify must notice."""
+    monkeypatch.setattr(genai_stages, "MASK_MIN", 0.0)
+    summary = write_bundle(tiny_artifact, tmp_path / "b")
+    assert not verify_bundle(summary.folder, PROMPTS, tokens=8).identical
+
+
+def test_sliding_window_layers_gemma3(tmp_path):
+    """Gemma 3's sliding layers (window 8) over 30+ tokens: the position processor's sliding mask."""
+    from tests.tiny import save_tiny, write_recipe
+    from toolchain.compile.pipeline import compile_recipe
+
+    recipe = write_recipe(tmp_path / "g.yaml", save_tiny(tmp_path / "hf", "gemma3"), name="g",
+                          graphs="  decode: {width: 1, context: 48}\n  prefill: {width: 4, context: 48}\n")
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    artifact = compile_recipe(recipe).out_dir
+    summary = write_bundle(artifact, tmp_path / "b")
+    prompts = [list(range(30, 43)), [7, 8]]
+    check = verify_bundle(summary.folder, prompts, tokens=24)
+    assert check.identical, [(r.genai.tokens, r.mobc.tokens) for r in check.results]
+
+
+def test_stages_hand_the_step_graph_mobcs_own_cache_inputs(tiny_artifact):
+    """The position processor's masks and RoPE rows for a window equal KVCache's for the same state."""
+    import onnxruntime as ort
+
+    from toolchain.artifact.manifest import Manifest
+    from toolchain.runtime.cache import KVCache
+    from toolchain.runtime.sessions import ArtifactSessions
+
+    sessions = ArtifactSessions(tiny_artifact)
+    layout = Manifest.load(tiny_artifact).model.layout(4, 32)
+    proc = genai_stages.position_processor(layout, sessions.rope)
+    sess = ort.InferenceSession(proc.SerializeToString())
+    cache = KVCache(layout, sessions.rope)
+    cache.length = 6  # 6 tokens cached; this call: 1 padding row, then 3 real tokens at positions 6..8
+    genai_mask = np.zeros((1, 32), np.int32)
+    genai_mask[0, 28 - 6 : 28] = 1  # right-aligned count of cached tokens
+    genai_mask[0, 29:] = 1
+    outs = dict(zip([o.name for o in proc.graph.output],
+                    sess.run(None, {"attention_mask_window": genai_mask,
+                                    "position_ids": np.array([[0, 6, 7, 8]], np.int32)}), strict=True))
+    ours = cache.step_inputs([1, 2, 3], 4)
+    # real rows 1..3 of genai's call are rows 0..2 of mobc's
+    np.testing.assert_array_equal(outs["attention_mask"][0, 0, 1:, :28], ours["attention_mask"][0, 0, :3, :28])
+    np.testing.assert_array_equal(outs["attention_mask"][0, 0, 1:, 29:], ours["attention_mask"][0, 0, :3, 28:31])
+    assert (outs["attention_mask"][0, 0, 1:, 28] < 0).all()  # nobody sees the padding row
+    np.testing.assert_array_equal(outs["position_cos"][0, 0, 1:], ours["position_cos"][0, 0, :3])
+
+
+def test_user_errors(tiny_artifact, tmp_path):
+    with pytest.raises(ArtifactError, match="no QNN context binaries"):
+        write_bundle(tiny_artifact, tmp_path / "q", target="qnn")
+    with pytest.raises(ArtifactError, match="choose one of cpu, qnn"):
+        write_bundle(tiny_artifact, tmp_path / "x", target="gpu")
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="not a mobc artifact"):
+        write_bundle(tiny_artifact, user, force=True)
+    assert (user / "notes.txt").read_text() == "keep me"
+    first = write_bundle(tiny_artifact, tmp_path / "b").folder
+    with pytest.raises(ArtifactError, match="--force"):
+        write_bundle(tiny_artifact, first)
+    write_bundle(tiny_artifact, first, force=True)  # a bundle may be replaced
+    summary = write_bundle(tiny_artifact, tmp_path / "c")
+    with pytest.raises(ArtifactError, match="does not fit the context"):
+        verify_bundle(summary.folder, [list(range(1, 30))], tokens=8)
+
+
+def _edited_copy(tiny_artifact, tmp_path, edit) -> object:
+    art = tmp_path / "a"
+    shutil.copytree(tiny_artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    edit(manifest)
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    return art
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(graphs=[g for g in m["graphs"] if g["role"] != "prefill"]), "no a prefill graph"),
+    (lambda m: m.update(graphs=[g for g in m["graphs"] if g["role"] != "decode"]), "no a decode graph of width 1"),
+    (lambda m: m["model"].update(diffusion={"mask_token_id": 3}), "diffusion artifact"),
+    (lambda m: [g["inputs"].append({"name": "lora_a_0", "shape": [1, 4], "dtype": "float32"})
+                for g in m["graphs"]], "lora_a_0"),
+])
+def test_artifacts_genai_cannot_run_are_refused_by_name(tiny_artifact, tmp_path, edit, message):
+    art = _edited_copy(tiny_artifact, tmp_path, edit)
+    with pytest.raises(ArtifactError, match=message):
+        write_bundle(art, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_structure_check_names_a_stage_whose_io_differs(tiny_artifact, tmp_path):
+    folder = write_bundle(tiny_artifact, tmp_path / "b").folder
+    config = json.loads((folder / CONFIG).read_text())
+    stages = config["model"]["decoder"]["pipeline"][0]
+    stages["token_decode"]["inputs"] = stages["token_decode"]["inputs"][:-1]
+    (folder / CONFIG).write_text(json.dumps(config))
+    bad = [r for r in check_structure(folder) if r.problem]
+    assert [r.name for r in bad] == ["token_decode"] and "inputs" in bad[0].problem
+
+
+def test_cli_bundle_and_verify(tiny_artifact, tmp_path):
+    from toolchain.cli.main import app
+
+    out = tmp_path / "b"
+    res = CliRunner().invoke(app, ["bundle", "genai", str(tiny_artifact), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "structure: 8 stages in pipeline order" in res.output
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n---\nimport os\n")
+    res = CliRunner().invoke(app, ["bundle", "verify", str(out), "--prompts", f"file:{prompts}", "--tokens", "8"])
+    assert res.exit_code == 0, res.output
+    assert "identical on 2/2 prompts" in res.output
+    missing = run_main("bundle", "genai", str(tmp_path / "nothing"))
+    assert missing.clean_error and "nothing" in missing.err
