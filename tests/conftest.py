@@ -22,6 +22,18 @@ def _private_mobc_cache():
 
 
 @pytest.fixture(scope="session")
+def real_smollm2(tmp_path_factory):
+    """recipes/smollm2-135m.yaml compiled once per session (~3 minutes here): the real-model tests
+    of compile, runtime and bundles share it."""
+    from pathlib import Path
+
+    from toolchain.compile.pipeline import compile_recipe
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m.yaml"
+    return compile_recipe(recipe, out=tmp_path_factory.mktemp("real") / "smollm2")
+
+
+@pytest.fixture(scope="session")
 def lora_artifact(tmp_path_factory):
     """(artifact folder, source model folder): tiny llama with mha_to_sha + lora_inputs + forecast_inputs."""
     from tests import lora_tiny

@@ -35,13 +35,19 @@ ALIGN = 64
 
 
 class WeightsWriter:
-    """Appends tensors to one shared file, storing identical bytes once."""
+    """Appends tensors to one shared file, storing identical bytes once.
 
-    def __init__(self, folder: Path, file_name: str = WEIGHTS):
+    `release(tensor)` is called with each on-disk source tensor once its bytes are written (the
+    compile frees its scratch copy there); a later reference to the same source location reuses
+    the written bytes without reading the source again."""
+
+    def __init__(self, folder: Path, file_name: str = WEIGHTS, release: Callable[[Any], Any] | None = None):
         self.folder = folder
         self.file_name = file_name
         self._f = open(folder / file_name, "wb")
         self._offsets: dict[str, tuple[int, int]] = {}
+        self._by_location: dict[tuple[str, int, int], tuple[int, int]] = {}
+        self._release = release
         self.tensors = 0
         self.referenced_bytes = 0
 
@@ -54,15 +60,24 @@ class WeightsWriter:
                 if isinstance(tensor, ir.ExternalTensor):  # a small weight still in the checkpoint or spill
                     value.const_value = ir.tensor(tensor.numpy(), name=value.name)
                 continue
-            data = tensor.tobytes()  # one tensor in memory at a time (DiskTensors read on demand)
-            key = hashlib.sha256(data).hexdigest()
-            if key not in self._offsets:
-                pad = (-self._f.tell()) % ALIGN
-                self._f.write(b"\0" * pad)
-                self._offsets[key] = (self._f.tell(), len(data))
-                self._f.write(data)
-                self.tensors += 1
-            offset, length = self._offsets[key]
+            location = _location(tensor)
+            if location in self._by_location:  # written already (and maybe released): no read
+                offset, length = self._by_location[location]
+            else:
+                data = tensor.tobytes()  # one tensor in memory at a time (DiskTensors read on demand)
+                key = hashlib.sha256(data).hexdigest()
+                if key not in self._offsets:
+                    pad = (-self._f.tell()) % ALIGN
+                    self._f.write(b"\0" * pad)
+                    self._offsets[key] = (self._f.tell(), len(data))
+                    self._f.write(data)
+                    self.tensors += 1
+                offset, length = self._offsets[key]
+                if location is not None:
+                    self._by_location[location] = (offset, length)
+                    if self._release is not None:
+                        self._f.flush()
+                        self._release(tensor)
             self.referenced_bytes += length
             value.const_value = ir.ExternalTensor(
                 self.file_name, offset, length, tensor.dtype, shape=tensor.shape,
@@ -301,9 +316,18 @@ def _signals_held():
             signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
 
 
-def write_graphs(folder: Path, graphs: GraphSet) -> tuple[list[GraphRecord], dict[str, Any]]:
-    """Saves every graph as <name>.onnx with weights in one shared, deduplicated file."""
-    writer = WeightsWriter(folder)
+def _location(tensor: Any) -> tuple[str, int, int] | None:
+    if not isinstance(tensor, ir.ExternalTensor):
+        return None
+    length = tensor.length if tensor.length is not None else tensor.nbytes
+    return (os.path.abspath(tensor.path), tensor.offset or 0, length)
+
+
+def write_graphs(folder: Path, graphs: GraphSet, release: Callable[[Any], Any] | None = None,
+                 ) -> tuple[list[GraphRecord], dict[str, Any]]:
+    """Saves every graph as <name>.onnx with weights in one shared, deduplicated file (`release`:
+    see WeightsWriter)."""
+    writer = WeightsWriter(folder, release=release)
     records = []
     for entry in graphs.entries.values():
         own_bytes = weight_bytes(entry.model)

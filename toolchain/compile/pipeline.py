@@ -240,7 +240,9 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
 
     with staging(out_dir, force) as tmp:
         with timer.stage("emit"):
-            records, weights = write_graphs(tmp, graphs)
+            # each scratch tensor's blocks are freed once it is in weights.bin: the disk holds about
+            # one copy of the weights at the end, not two (the scratch and the artifact)
+            records, weights = write_graphs(tmp, graphs, release=spill.release)
             del graphs  # every weight now lives in weights.bin: the scratch copies can go
             spill.clear()
             rope_rec = write_rope(tmp, rope)

@@ -73,6 +73,7 @@ class Spill:
         self._name = ""
         self._sections = 0
         self._by_hash: dict[str, tuple[str, int, int]] = {}
+        self._released: set[tuple[str, int]] = set()
         self.bytes_written = 0
 
     def section(self, label: str) -> None:
@@ -117,6 +118,25 @@ class Spill:
                 self._by_hash = {k: v for k, v in self._by_hash.items() if v[0] != path.name}
         return freed
 
+    def release(self, tensor: object) -> int:
+        """Frees the disk blocks of one spilled tensor once it is written elsewhere (the emit copies
+        each into weights.bin), so the scratch shrinks while weights.bin grows instead of both holding
+        every weight at the end of a compile. Nothing may read the tensor afterwards (its bytes read
+        as zeros); tensors outside this spill (the user's checkpoint) are never touched. Returns the
+        bytes released (0 where the filesystem cannot punch holes)."""
+        if not isinstance(tensor, ir.ExternalTensor):
+            return 0
+        path = Path(tensor.path)
+        if path.parent.resolve() != self.folder.resolve() or not path.name.startswith("spill"):
+            return 0
+        length = tensor.length if tensor.length is not None else tensor.nbytes
+        key = (path.name, tensor.offset or 0)
+        if key in self._released or not punch_hole(path, tensor.offset or 0, length):
+            return 0
+        self._released.add(key)
+        self._by_hash = {k: v for k, v in self._by_hash.items() if v[:2] != key}  # never hand it out again
+        return length
+
     def clear(self) -> int:
         """Deletes every scratch file (once the graphs point elsewhere, e.g. at the emitted weights)."""
         self._close()
@@ -135,6 +155,29 @@ class Spill:
 
     def close(self) -> None:
         self._close()
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_hole(path: Path, offset: int, length: int) -> bool:
+    """Deallocates [offset, offset+length) of a file (Linux fallocate), keeping its size; the range
+    then reads as zeros. False where the OS or filesystem cannot (the bytes then simply stay)."""
+    if length <= 0 or not hasattr(os, "O_RDWR"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fallocate = libc.fallocate
+    except (OSError, AttributeError):
+        return False
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0
+    finally:
+        os.close(fd)
 
 
 def link_into(folder: Path, path: Path) -> str:

@@ -152,3 +152,31 @@ def test_cli_bundle_and_verify(tiny_artifact, tmp_path):
     assert "identical on 2/2 prompts" in res.output
     missing = run_main("bundle", "genai", str(tmp_path / "nothing"))
     assert missing.clean_error and "nothing" in missing.err
+
+
+@pytest.mark.qnn
+def test_qnn_bundle_wraps_every_binary_with_its_graphs_io(tiny_source, tmp_path):
+    """--target qnn: each step-graph stage is the artifact's EPContext model over its HTP binary,
+    with exactly the CPU graph's inputs and outputs (onnxruntime-genai's Python wheel has no QNN
+    EP, so this structure is what can be proven here)."""
+    from tests.tiny import write_recipe
+    from toolchain.artifact.manifest import Manifest
+    from toolchain.compile.pipeline import compile_recipe
+
+    recipe = write_recipe(tmp_path / "q.yaml", tiny_source, name="q",
+                          graphs="  decode: {width: 1, context: 32}\n  prefill: {width: 4, context: 32}\n",
+                          extra="passes: [scale_rmsnorm, split_lm_head]\n"
+                                "qnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n")
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    artifact = compile_recipe(recipe).out_dir
+    folder = write_bundle(artifact, tmp_path / "b", target="qnn").folder
+    rows = check_structure(folder)
+    assert all(not r.problem for r in rows), [r.problem for r in rows if r.problem]
+    graphs = Manifest.load(artifact).graphs
+    assert sum(r.kind == "epcontext" for r in rows) == len(graphs) == 4  # 2 widths x (body, lm_head)
+    stages = json.loads((folder / CONFIG).read_text())["model"]["decoder"]["pipeline"][0]
+    for g in graphs:
+        entry = stages[f"{'prompt' if g.width > 1 else 'token'}_{g.name}"]
+        assert entry["inputs"] == g.input_names and entry["outputs"] == g.output_names
+        assert entry["session_options"]["provider_options"][0]["qnn"]["backend_path"] == "libQnnHtp.so"
+        assert entry.get("is_lm_head", False) == (g.role == "lm_head")

