@@ -250,6 +250,16 @@ def genai_config(manifest: Manifest, prompt_width: int, context: int, pipeline: 
     }
 
 
+def default_out(artifact: Path, target: str) -> Path:
+    """ARTIFACT-genai beside the artifact; a quantized/ artifact's bundle goes beside its float
+    artifact as NAME-quantized-genai (never inside an artifact folder)."""
+    folder = Path(os.path.abspath(artifact))
+    base = folder.name
+    if base == "quantized" and (folder.parent / "manifest.json").is_file():
+        base, folder = f"{folder.parent.name}-quantized", folder.parent
+    return folder.parent / f"{base}-genai{'-qnn' if target == 'qnn' else ''}"
+
+
 def write_bundle(artifact: str | Path, out: str | Path | None = None, target: str = "cpu",
                  force: bool = False) -> BundleSummary:
     artifact = Path(artifact)
@@ -258,7 +268,7 @@ def write_bundle(artifact: str | Path, out: str | Path | None = None, target: st
     manifest = Manifest.load(artifact)
     prompt_family, token_family = _families(manifest, artifact)
     head = manifest.chain(prompt_family)[0]
-    out = Path(out) if out is not None else artifact.parent / f"{artifact.name}-genai{'-qnn' if target == 'qnn' else ''}"
+    out = Path(out) if out is not None else default_out(artifact, target)
     with np.load(artifact / ROPE) as z:
         rope = {k: z[k] for k in z.files}
     if int(next(iter(rope.values())).shape[0]) < head.context:

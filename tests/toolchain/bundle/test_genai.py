@@ -180,3 +180,26 @@ def test_qnn_bundle_wraps_every_binary_with_its_graphs_io(tiny_source, tmp_path)
         assert entry["inputs"] == g.input_names and entry["outputs"] == g.output_names
         assert entry["session_options"]["provider_options"][0]["qnn"]["backend_path"] == "libQnnHtp.so"
         assert entry.get("is_lm_head", False) == (g.role == "lm_head")
+
+
+def test_quantized_artifact_bundles_beside_its_float_artifact(tiny_source, tmp_path):
+    """A W4A16 artifact's QDQ graphs (int8 KV cache encodings inside) in onnxruntime-genai: the
+    same tokens as mobc running the quantized artifact."""
+    from tests.tiny import write_recipe
+    from toolchain.compile.pipeline import compile_recipe
+
+    quant = ("quantize:\n  weights: int4\n  activations: int16\n  kv_cache: int8\n"
+             "  calibration: {samples: 2}\n  eval_tokens: 0\n")
+    recipe = write_recipe(tmp_path / "w.yaml", tiny_source, name="w",
+                          graphs="  decode: {width: 1, context: 32}\n  prefill: {width: 4, context: 32}\n",
+                          extra=quant)
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    quantized = compile_recipe(recipe).out_dir / "quantized"
+    summary = write_bundle(quantized)
+    assert summary.folder == quantized.parent.parent / "w-quantized-genai"
+    import onnx
+
+    token_graph = onnx.load(str(summary.folder / "decode.onnx"), load_external_data=False)
+    assert sum(n.op_type == "DequantizeLinear" for n in token_graph.graph.node) > 10  # QDQ, not float
+    check = verify_bundle(summary.folder, PROMPTS, tokens=12)
+    assert check.identical, [(r.genai.tokens, r.mobc.tokens) for r in check.results]
