@@ -24,12 +24,25 @@ class BundleMismatchError(MobcError):
     """onnxruntime-genai and mobc generated different tokens from one bundle/artifact pair."""
 
 
-def _genai():
+_QNN_REGISTERED: list[bool] = []
+
+
+def _genai(target: str = "cpu"):
     try:
         import onnxruntime_genai as og
     except ImportError:
         raise ArtifactError("running a bundle needs onnxruntime-genai: pip install onnxruntime-genai "
                             "(it is in mobc's dev extra)") from None
+    if target == "qnn" and not _QNN_REGISTERED:
+        # genai's PyPI wheel has no QNN EP built in; onnxruntime-qnn's plugin library provides it
+        # (the HTP emulator on x86, the real HTP on a Snapdragon device)
+        try:
+            import onnxruntime_qnn
+        except ImportError:
+            raise ArtifactError("a --target qnn bundle runs on the QNN EP: install onnxruntime-qnn "
+                                "(a mobc dependency on Linux x86_64)") from None
+        og.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
+        _QNN_REGISTERED.append(True)
     return og
 
 
@@ -51,7 +64,7 @@ class GenaiRunner:
     def __init__(self, bundle: str | Path):
         self.bundle = Path(bundle)
         self.marker = load_marker(self.bundle)
-        og = _genai()
+        og = _genai(self.marker["target"])
         self._og = og
         try:
             self.model = og.Model(str(self.bundle))
@@ -103,6 +116,12 @@ class PromptResult:
         return bool(self.mobc.tokens) and self.genai.tokens == self.mobc.tokens
 
     @property
+    def agreement(self) -> float:
+        """Share of mobc's tokens genai reproduced before the first difference (1.0 = identical)."""
+        first = self.first_difference
+        return 1.0 if first is None else first / max(1, len(self.mobc.tokens))
+
+    @property
     def first_difference(self) -> int | None:
         for i, (a, b) in enumerate(zip(self.genai.tokens, self.mobc.tokens, strict=False)):
             if a != b:
@@ -130,6 +149,7 @@ class BundleCheck:
         g = median([r.genai.decode_tps for r in self.results])
         m = median([r.mobc.decode_tps for r in self.results])
         return {"bundle": str(self.bundle), "artifact": str(self.artifact), "prompts": len(self.results),
+                "agreement": float(np.mean([r.agreement for r in self.results])) if self.results else 0.0,
                 "tokens": self.tokens, "identical": self.identical,
                 "identical_prompts": sum(r.identical for r in self.results),
                 "genai_decode_tps": g, "mobc_decode_tps": m, "genai_over_mobc": g / m if m else float("nan"),

@@ -203,3 +203,19 @@ def test_quantized_artifact_bundles_beside_its_float_artifact(tiny_source, tmp_p
     assert sum(n.op_type == "DequantizeLinear" for n in token_graph.graph.node) > 10  # QDQ, not float
     check = verify_bundle(summary.folder, PROMPTS, tokens=12)
     assert check.identical, [(r.genai.tokens, r.mobc.tokens) for r in check.results]
+
+
+@pytest.mark.qnn
+def test_qnn_bundle_runs_in_onnxruntime_genai_on_the_htp(tmp_path, tiny_source):
+    """onnxruntime-genai drives the EPContext stages through onnxruntime-qnn's plugin EP (the HTP
+    emulator here): the fp16 binaries reproduce the float CPU tokens on the tiny model."""
+    from tests.tiny import write_recipe
+    from toolchain.compile.pipeline import compile_recipe
+
+    recipe = write_recipe(tmp_path / "q.yaml", tiny_source, name="q",
+                          graphs="  decode: {width: 1, context: 32}\n  prefill: {width: 4, context: 32}\n",
+                          extra="passes: [scale_rmsnorm]\nqnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n")
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    folder = write_bundle(compile_recipe(recipe).out_dir, tmp_path / "b", target="qnn").folder
+    check = verify_bundle(folder, PROMPTS, tokens=8)
+    assert check.summary()["agreement"] >= 0.75, [(r.genai.tokens, r.mobc.tokens) for r in check.results]
