@@ -119,6 +119,7 @@ class StoredWeights:
     def __init__(self, store: WeightStore, skeleton: Any, spill: disk.Spill):
         self.store, self.spill = store, spill
         self.buffers = dict(skeleton.named_buffers())
+        store.offer_to(spill)
 
     def tensor(self, hf_name: str, ir_name: str) -> ir.TensorProtocol | None:
         if hf_name in self.store:

@@ -74,7 +74,14 @@ class Spill:
         self._sections = 0
         self._by_hash: dict[str, tuple[str, int, int]] = {}
         self._released: set[tuple[str, int]] = set()
+        # fp32 tensors of the source checkpoint, by byte length: a tensor whose bytes are one of
+        # them (a conv layout is the checkpoint's own [out, in] Linear weight again) is handed out
+        # as a reference into the checkpoint instead of being written (`register_source`)
+        self._sources: dict[int, list[tuple[str, int]]] = {}
+        self._source_digest: dict[tuple[str, int], str] = {}
+        self._by_source_digest: dict[tuple[str, int], tuple[str, int]] = {}
         self.bytes_written = 0
+        self.bytes_found_in_source = 0
 
     def section(self, label: str) -> None:
         """Starts a new scratch file, so `collect` can delete what a later section replaced."""
@@ -83,12 +90,33 @@ class Spill:
         self._name = f"spill{self._sections:03d}-{label}.bin"
         self._file = open(self.folder / self._name, "wb")  # noqa: SIM115 - closed by _close/close
 
+    def register_source(self, location: str, offset: int, length: int) -> None:
+        """Offers an fp32 region of a file inside the spill folder (an adopted checkpoint) for reuse."""
+        if length >= SPILL_BYTES:
+            self._sources.setdefault(length, []).append((location, offset))
+
+    def _in_source(self, digest: str, length: int) -> tuple[str, int] | None:
+        """The checkpoint region holding exactly these bytes, hashing candidates of this length once."""
+        for loc in self._sources.get(length, []):
+            if loc not in self._source_digest:
+                with open(self.folder / loc[0], "rb") as f:
+                    h = hashlib.sha256(os.pread(f.fileno(), length, loc[1])).hexdigest()
+                self._source_digest[loc] = h
+                self._by_source_digest.setdefault((h, length), loc)
+        return self._by_source_digest.get((digest, length))
+
     def store(self, name: str, array: np.ndarray) -> DiskTensor:
         if self._file is None:
             self.section("weights")
         array = _contiguous(array)
         data = memoryview(array).cast("B") if array.size else b""
-        key = hashlib.sha256(data).hexdigest() + str(array.dtype) + str(array.shape)
+        digest = hashlib.sha256(data).hexdigest()
+        key = digest + str(array.dtype) + str(array.shape)
+        found = self._in_source(digest, len(data)) if array.dtype == np.float32 else None
+        if found is not None:
+            self.bytes_found_in_source += len(data)
+            return DiskTensor(found[0], found[1], len(data), ir.DataType.FLOAT, shape=ir.Shape(array.shape),
+                              name=name, base_dir=self.folder)
         if key not in self._by_hash:
             f = self._file
             f.write(b"\0" * ((-f.tell()) % _ALIGN))
@@ -108,9 +136,20 @@ class Spill:
         return link_into(self.folder, Path(path))
 
     def collect(self, live: Iterable[object]) -> int:
-        """Deletes the spill files no live tensor points into (except the open one); returns bytes freed."""
-        used = {Path(t.path).name for t in live if isinstance(t, ir.ExternalTensor)}
+        """Deletes the spill files no live tensor points into (except the open one), and frees the
+        blocks of every stored tensor nothing points at any more inside the files that stay (the
+        export's transposed q/k/v die when mha_to_sha slices them, while the rest of their file
+        lives on); returns bytes freed."""
+        live = [t for t in live if isinstance(t, ir.ExternalTensor)]
+        used = {Path(t.path).name for t in live}
+        regions = {(Path(t.path).name, t.offset or 0) for t in live}
         freed = 0
+        for key, (location, offset, length) in list(self._by_hash.items()):
+            if location in used and (location, offset) not in regions and punch_hole(
+                    self.folder / location, offset, length):
+                self._released.add((location, offset))
+                del self._by_hash[key]
+                freed += length
         for path in self.folder.glob("spill*.bin"):
             if path.name not in used and path.name != self._name:
                 freed += path.stat().st_size

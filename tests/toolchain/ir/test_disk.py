@@ -132,3 +132,39 @@ def test_emit_frees_each_spilled_tensor_once_written_and_never_the_checkpoint(tm
         for k, y in zip(keys, got, strict=True):
             np.testing.assert_allclose(y, x @ arrays[k], rtol=1e-5, atol=1e-4)
     assert spill.release(source) == 0  # outside the spill: refused
+
+
+def test_collect_frees_dead_tensors_inside_a_file_that_stays(tmp_path):
+    """mha_to_sha replaces the export's q/k/v transposes while the rest of their scratch file lives
+    on: their blocks are freed, the live neighbour still reads right, and the same bytes stored
+    again are written anew (never handed out from the freed place)."""
+    spill = disk.Spill(tmp_path)
+    spill.section("export")
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((512, 512)).astype(np.float32) for _ in range(2))
+    ta, tb = spill.store("a", a), spill.store("b", b)
+    path = tmp_path / ta.location
+    spill.section("next")  # the export's file is no longer the open one
+    blocks = os.stat(path).st_blocks
+    assert spill.collect([ta]) >= b.nbytes
+    assert os.stat(path).st_blocks < blocks * 0.6
+    np.testing.assert_array_equal(ta.numpy(), a)
+    again = spill.store("b2", b)
+    assert (again.location, again.offset) != (tb.location, tb.offset)
+    np.testing.assert_array_equal(again.numpy(), b)
+
+
+def test_bytes_of_the_checkpoint_are_referenced_not_written(tmp_path):
+    """linear_to_conv's conv weight is the checkpoint's Linear weight again: the spill hands out the
+    checkpoint's own region instead of writing a copy."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((128, 256)).astype(np.float32)
+    (tmp_path / "ckpt.bin").write_bytes(b"\0" * 64 + w.tobytes())
+    spill = disk.Spill(tmp_path / "scratch")
+    spill.register_source(spill.adopt(tmp_path / "ckpt.bin"), 64, w.nbytes)
+    conv = spill.store("conv_w", w.reshape(128, 256, 1, 1))
+    assert conv.offset == 64 and conv.location.endswith("ckpt.bin") and spill.bytes_written == 0
+    np.testing.assert_array_equal(conv.numpy(), w.reshape(128, 256, 1, 1))
+    other = spill.store("t", np.ascontiguousarray(w.T))  # same size, other bytes: written
+    assert spill.bytes_written == w.nbytes and other.location.startswith("spill")
+    assert spill.release(conv) == 0  # never punches the checkpoint
