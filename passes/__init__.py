@@ -11,6 +11,7 @@ from passes import (  # noqa: E402,F401
     forecast_inputs,
     linear_to_conv,
     lora_inputs,
+    matmul_nbits,
     mha_to_sha,
     rescale_residual,
     scale_rmsnorm,

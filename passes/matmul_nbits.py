@@ -1,0 +1,154 @@
+"""matmul_nbits: projections whose weights sit on a GGUF block grid run as onnxruntime's CPU int4/int8
+MatMulNBits, with the source's own codes (no second rounding).
+
+Rewrite rules (blocks of `block_size` along the input axis):
+  - `x @ W[C, O]` (W constant, or `Transpose(E)` of a constant E[O, C], a tied lm_head) where W
+    fits a symmetric int4 grid (Q4_0: w = d*k, k in -8..7) -> `MatMulNBits(x, q = k + 8, d)`,
+    bits 4 (its default zero point 8 makes the dequantized weight exactly d*k).
+  - an asymmetric int4 grid (Q4_1: w = d*k + c per block) -> the same, plus
+    `ReduceSum(blocks(x)) @ Cb` (Cb [C/block, O] the per-block offsets, 1/block of the work)
+    added to its output: x @ W = x @ (d*k) + blocksum(x) @ Cb exactly in real arithmetic.
+  - with `int8: true`, a weight on no int4 grid but on a symmetric int8 one (Q8_0: embeddings and
+    lm_head) -> `MatMulNBits(x, q = k + 128, d)`, bits 8.
+  - weights on no grid stay float MatMuls (a random-weight model has none on a grid).
+`accuracy_level` is MatMulNBits' own: 0 computes in float32 (the float graph's semantics, the
+default), 4 quantizes activations to int8 inside the kernel (faster, no longer exact).
+Requires: MatMul weights (run it before linear_to_conv, or without it: this is the CPU form;
+check_htp refuses com.microsoft ops). Ensures: no MatMul with a constant 2-D weight on a grid the
+pass converts remains, and every MatMulNBits' packed codes match its K, N, bits and block size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.base import GraphPass, PassConfig
+from passes.registry import register
+from toolchain.ir.block_grid import GridFit, fit_block_grid
+from toolchain.ir.graph import add_initializer, const_array, new_node, remove_unused, scope, shape_of
+
+DOMAIN = "com.microsoft"
+
+
+def _weight(node: ir.Node) -> tuple[np.ndarray, bool] | None:
+    """The [C, O] weight behind a MatMul's second input, and whether it is a tied Transpose."""
+    if node.op_type != "MatMul" or len(node.inputs) != 2 or node.domain not in ("", "ai.onnx"):
+        return None
+    w = node.inputs[1]
+    arr = const_array(w)
+    if arr is not None and arr.ndim == 2:
+        return arr, False
+    prod = w.producer() if w is not None else None
+    if prod is not None and prod.op_type == "Transpose":
+        src = const_array(prod.inputs[0])
+        perm = prod.attributes.get("perm")
+        if src is not None and src.ndim == 2 and (perm is None or list(perm.value) == [1, 0]):
+            return src.T, True
+    return None
+
+
+def _fit(w: np.ndarray, block: int, int8: bool) -> tuple[GridFit, int] | None:
+    if w.dtype != np.float32 or w.shape[0] % block:
+        return None
+    fit = fit_block_grid(w, block, "int4")
+    if fit is not None:
+        return fit, 4
+    if int8:
+        fit = fit_block_grid(w, block, "int8")
+        if fit is not None and fit.offset is None:
+            return fit, 8
+    return None
+
+
+def pack_codes(codes: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """int codes [C, O] (k in -8..7 or -128..127) -> MatMulNBits' B: uint8 [O, C/block, block*bits/8]."""
+    c, o = codes.shape
+    q = (codes.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8).T.reshape(o, c // block, block)
+    if bits == 8:
+        return np.ascontiguousarray(q)
+    return np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))  # element 2i low nibble, 2i+1 high
+
+
+def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """The inverse of pack_codes: uint8 q [O, C/block, block]."""
+    if bits == 8:
+        return packed
+    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+    out[..., 0::2], out[..., 1::2] = packed & 0x0F, packed >> 4
+    return out
+
+
+def _nbits_node(graph: ir.Graph, before: ir.Node, inputs: list[ir.Value], name: str, attrs: dict,
+                shape: list[int]) -> ir.Node:
+    node = new_node(graph, before, "MatMulNBits", inputs, name, attrs, shape, ir.DataType.FLOAT)
+    node.domain = DOMAIN
+    return node
+
+
+def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int, level: int) -> None:
+    x, out = node.inputs[0], node.outputs[0]
+    c, o = fit.codes.shape
+    base = scope(node)
+    b = add_initializer(graph, f"{base}.nbits_weight", pack_codes(fit.codes, bits, block))
+    s = add_initializer(graph, f"{base}.nbits_scales", np.ascontiguousarray(fit.scale.T).reshape(-1))
+    attrs = {"K": c, "N": o, "bits": bits, "block_size": block, "accuracy_level": level}
+    full = shape_of(out)
+    y = _nbits_node(graph, node, [x, b, s], f"{base}/MatMulNBits", attrs, full).outputs[0]
+    if fit.offset is not None:
+        lead = shape_of(x)[:-1]
+        blocks = add_initializer(graph, "shape." + "x".join(map(str, lead + [c // block, block])),
+                                 np.array(lead + [c // block, block], np.int64))
+        axes = add_initializer(graph, "axes.last", np.array([-1], np.int64))
+        cb = add_initializer(graph, f"{base}.block_offset", np.ascontiguousarray(fit.offset))
+        xr = new_node(graph, node, "Reshape", [x, blocks], f"{base}/blocks", None, lead + [c // block, block],
+                      x.dtype).outputs[0]
+        sums = new_node(graph, node, "ReduceSum", [xr, axes], f"{base}/blocksum", {"keepdims": 0},
+                        lead + [c // block], x.dtype).outputs[0]
+        off = new_node(graph, node, "MatMul", [sums, cb], f"{base}/block_offset", None, full, x.dtype).outputs[0]
+        y = new_node(graph, node, "Add", [y, off], f"{base}/with_offset", None, full, x.dtype).outputs[0]
+    name = out.name
+    ir.convenience.replace_all_uses_with(out, y, replace_graph_outputs=True)
+    out.name, y.name = f"{name}__float", name
+    graph.remove(node, safe=True)
+
+
+@register("matmul_nbits")
+class MatMulNBits(GraphPass):
+    runs_before = ("linear_to_conv", "check_htp")
+
+    class Config(PassConfig):
+        block_size: int = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block
+        int8: bool = True  # Q8_0 weights (embedding, tied lm_head) as 8-bit MatMulNBits
+        accuracy_level: int = 0  # 0: float32 compute (exact); 4: int8 activations in the kernel
+
+    def rewrite(self, model: ir.Model) -> bool:
+        cfg = self.config
+        changed = False
+        for node in list(model.graph):
+            found = _weight(node)
+            fitted = _fit(found[0], cfg.block_size, cfg.int8) if found is not None else None
+            if fitted is None:
+                continue
+            _convert(model.graph, node, fitted[0], fitted[1], cfg.block_size, cfg.accuracy_level)
+            changed = True
+        if changed:
+            model.opset_imports.setdefault(DOMAIN, 1)
+            remove_unused(model)
+        return changed
+
+    def ensures(self, model: ir.Model) -> None:
+        for node in model.graph:
+            found = _weight(node)
+            if found is not None and _fit(found[0], self.config.block_size, self.config.int8) is not None:
+                raise AssertionError(f"MatMul {node.name} has a weight on a block grid and was not converted")
+            if node.op_type == "MatMulNBits":
+                a = {k: v.value for k, v in node.attributes.items()}
+                packed = const_array(node.inputs[1])
+                blob = a["block_size"] * a["bits"] // 8
+                want = (a["N"], math.ceil(a["K"] / a["block_size"]), blob)
+                if packed is None or packed.dtype != np.uint8 or packed.shape != want:
+                    raise AssertionError(f"{node.name}: packed codes {None if packed is None else packed.shape}, "
+                                         f"expected uint8 {want}")

@@ -1,0 +1,105 @@
+"""matmul_nbits on tiny graphs whose weights were put on GGUF grids (Q4_1 linears, Q4_0, a Q8_0 tied
+lm_head): every projection becomes MatMulNBits with exactly the source's codes, and the graph
+computes what the float graph computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from passes import build
+from passes.matmul_nbits import pack_codes, unpack_codes
+from tests.passes.tiny import graphset_for
+from toolchain.compile.pass_runner import run_passes
+from toolchain.ir.graph import const_array
+
+
+def _q4_1(w: np.ndarray, block: int = 32) -> np.ndarray:
+    b = w.reshape(-1, block, w.shape[1])
+    mn = b.min(1, keepdims=True).astype(np.float16).astype(np.float32)
+    d = ((b.max(1, keepdims=True) - mn) / 15).astype(np.float16).astype(np.float32)
+    d[d == 0] = 1.0
+    return (d * np.clip(np.round((b - mn) / d), 0, 15) + mn).reshape(w.shape)
+
+
+def _q4_0(w: np.ndarray, block: int = 32) -> np.ndarray:
+    b = w.reshape(-1, block, w.shape[1])
+    d = (np.abs(b).max(1, keepdims=True) / 8).astype(np.float16).astype(np.float32)
+    return (d * np.clip(np.round(b / d), -8, 7)).reshape(w.shape)
+
+
+def _q8_0(w: np.ndarray, block: int = 32) -> np.ndarray:
+    b = w.reshape(-1, block, w.shape[1])
+    d = (np.abs(b).max(1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    return (d * np.round(b / d)).reshape(w.shape)
+
+
+def _on_grids(gs) -> dict[str, str]:
+    """Puts every constant MatMul weight on a grid (alternating Q4_1 / Q4_0), the tied embedding on
+    Q8_0 (along its hidden axis, as GGUF stores it); returns weight name -> grid."""
+    grids = {}
+    for entry in gs.entries.values():
+        for i, node in enumerate(n for n in entry.model.graph if n.op_type == "MatMul"):
+            w = node.inputs[1]
+            arr = const_array(w)
+            if arr is not None and arr.ndim == 2 and w.is_initializer():
+                q = _q4_1(arr) if i % 2 == 0 else _q4_0(arr)
+                grids[w.name] = "q4_1" if i % 2 == 0 else "q4_0"
+                w.const_value = ir.tensor(q.astype(np.float32), name=w.name)
+            elif arr is None and w.producer() is not None and w.producer().op_type == "Transpose":
+                e = w.producer().inputs[0]  # tied lm_head: E [V, C], blocks along C
+                grids[e.name] = "q8_0"
+                e.const_value = ir.tensor(_q8_0(const_array(e).T).T.copy(), name=e.name)
+    return grids
+
+
+def test_pack_roundtrip():
+    rng = np.random.default_rng(0)
+    for bits, lo, hi in ((4, -8, 7), (8, -128, 127)):
+        codes = rng.integers(lo, hi + 1, size=(64, 24)).astype(np.int8)
+        packed = pack_codes(codes, bits, 32)
+        assert packed.shape == (24, 2, 32 * bits // 8)
+        q = unpack_codes(packed, bits).reshape(24, 64).T.astype(np.int16) - (1 << (bits - 1))
+        np.testing.assert_array_equal(q, codes)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied head; tied (Transpose of the embedding)
+def test_grid_weights_become_matmulnbits_and_numerics_hold(arch):
+    gs, feeds = graphset_for(arch, (1, 4))
+    grids = _on_grids(gs)
+    assert {"q4_1", "q4_0"} <= set(grids.values())
+    out, rows = run_passes(gs, ["fold_constants", "matmul_nbits"], 1e-4, feeds)
+    row = rows[-1]
+    assert row["worst"]["diff"] < 1e-4  # the pass runner compared every output with the float graph
+    p = build("matmul_nbits")
+    for entry in out.entries.values():
+        p.ensures(entry.model)
+        ops = [n.op_type for n in entry.model.graph]
+        # every projection and the tied lm_head: none of their float MatMuls remain
+        assert ops.count("MatMulNBits") >= 7 * (3 if arch == "gemma3" else 2) + 1
+        bits = {n.attributes["bits"].value for n in entry.model.graph if n.op_type == "MatMulNBits"}
+        assert bits == ({4, 8} if "q8_0" in grids.values() else {4})  # Q8_0: the tied lm_head
+        assert ops.count("ReduceSum") >= 1  # Q4_1's offset branch
+    assert row["weight_bytes_after"] < row["weight_bytes_before"] / 3
+
+
+def test_exact_codes_not_a_second_rounding():
+    """The MatMulNBits weight dequantizes to the source weight bit for bit (Q4_0: w = d*(q-8))."""
+    gs, feeds = graphset_for("llama", (4,))
+    entry = next(iter(gs.entries.values()))
+    node = next(n for n in entry.model.graph if n.op_type == "MatMul" and const_array(n.inputs[1]) is not None)
+    w = _q4_0(const_array(node.inputs[1]))
+    node.inputs[1].const_value = ir.tensor(w, name=node.inputs[1].name)
+    name = node.name
+    build("matmul_nbits").call(entry.model)
+    nb = next(n for n in entry.model.graph if n.op_type == "MatMulNBits" and n.name.startswith(name.rpartition("/")[0]))
+    q = unpack_codes(const_array(nb.inputs[1]), 4).astype(np.float32) - 8  # [O, blocks, 32]
+    d = const_array(nb.inputs[2]).reshape(q.shape[0], q.shape[1], 1)
+    np.testing.assert_array_equal((d * q).reshape(q.shape[0], -1).T, w)
+
+
+def test_weights_on_no_grid_stay_float():
+    gs, feeds = graphset_for("llama", (4,))
+    entry = next(iter(gs.entries.values()))
+    assert not build("matmul_nbits").call(entry.model).modified  # random weights: nothing to convert
