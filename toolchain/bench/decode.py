@@ -102,19 +102,29 @@ class PolicyResult:
 
 def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str], prompts: list[str],
                  max_new_tokens: int, gamma: int, temperature: float, device: str,
-                 target_dram: float, draft_dram: float, log=print) -> dict[str, Any]:
+                 target_dram: float, draft_dram: float, log=print,
+                 baselines: list[StepModel] = ()) -> dict[str, Any]:
+    """`baselines`: other artifacts of the same model (e.g. the float one beside an int4 one), each
+    decoded by ar on the same prompt ids, interleaved prompt by prompt with the target's policies;
+    their rows are named `ar@<artifact name>` and compared token for token with the target's ar."""
     if "ar" not in policies:
         policies = ["ar", *policies]  # the baseline every ratio is read against
     pol = {name: make_policy(name, target, draft, gamma=gamma) for name in policies}
-    for m in (target, draft):
+    owner = {name: "target" for name in policies}
+    for b in baselines:
+        name = f"ar@{b.name}"
+        pol[name], owner[name] = make_policy("ar", b), name
+    for m in (target, draft, *baselines):
         if m is not None:
             warmup(m)
     predictors = {"target": Predictor.build(target, device, target_dram)}
     if draft is not None:
         predictors["draft"] = Predictor.build(draft, device, draft_dram)
+    for b in baselines:
+        predictors[f"ar@{b.name}"] = Predictor.build(b, device, target_dram)
     tok = target.tokenizer
     widest_verify = target.widths[target.family_for(gamma + 1)] if draft is not None else 1
-    results = {name: PolicyResult(name) for name in policies}
+    results = {name: PolicyResult(name) for name in pol}
     skipped = 0
     for i, text in enumerate(prompts):
         ids = tok(text).input_ids
@@ -131,7 +141,7 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
             wall = time.perf_counter() - t - p.stats.prefill_seconds
             s = p.stats
             r = results[name]
-            phone = s.phone_seconds(predictors["target"], predictors.get("draft"))
+            phone = s.phone_seconds(predictors[owner[name]], predictors.get("draft"))
             same = ref is None or out == ref
             if name == "ar":
                 ref = out
@@ -146,7 +156,7 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
                               "phone_seconds": phone, "target_calls": dict(s.target_calls),
                               "draft_calls": dict(s.draft_calls), "accepted": s.accepted,
                               "identical_to_ar": same, "output": out})
-        log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(_progress(n, results[n].prompts[-1]) for n in policies))
+        log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(_progress(n, results[n].prompts[-1]) for n in pol))
     rows = [r.row() for r in results.values()]
     base = results["ar"]
     for row, r in zip(rows, results.values(), strict=True):

@@ -38,6 +38,9 @@ def bench_decode(
                                       help="target DRAM budget: fraction of its weights (0 = all on flash) or bytes"),
     draft_dram: float = typer.Option(1.0, "--draft-dram", help="draft DRAM budget (1 = fully resident)"),
     llamacpp: bool = typer.Option(True, "--llamacpp/--no-llamacpp", help="add a llama.cpp AR row if installed"),
+    baseline: list[Path] = typer.Option([], "--baseline",
+                                        help="another artifact of the model (e.g. the float one) for an ar row "
+                                             "beside the target's, same prompts, interleaved (repeatable)"),
     json_out: Path | None = typer.Option(None, "--json", help="write all numbers and tokens here"),
     provider: str = PROVIDER,
     threads: int | None = THREADS,
@@ -53,8 +56,9 @@ def bench_decode(
         raise MobcError(f"--policies {policies}: speculative policies need --draft <artifact folder>")
     texts = load_prompts(prompts)
     target, drafter = load_models(artifact, draft, provider, threads, ep_option)
+    baselines = [load_models(b, None, provider, threads, ep_option)[0] for b in baseline]
     res = run_bench(target, drafter, names, texts, max_new_tokens, gamma, temperature, device,
-                    target_dram, draft_dram, log=log)
+                    target_dram, draft_dram, log=log, baselines=baselines)
     ar_row = next(r for r in res["rows"] if r["policy"] == "ar")
     gguf = lcpp.source_gguf(target.manifest)
     if llamacpp and lcpp.available() and gguf is not None:

@@ -146,10 +146,15 @@ def test_cli_run_and_bench_decode(artifacts, tmp_path):
     prompts.write_text("\n---\n".join(PROMPTS))
     out = tmp_path / "bench.json"
     res = runner.invoke(app, ["bench", "decode", str(target_dir), "--draft", str(draft_dir), "--prompts",
-                              f"file:{prompts}", "--max-new-tokens", "16", "--no-llamacpp", "--json", str(out)])
+                              f"file:{prompts}", "--max-new-tokens", "16", "--no-llamacpp", "--json", str(out),
+                              "--baseline", str(target_dir), "--baseline", str(draft_dir)])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     rows = {r["policy"]: r for r in data["rows"]}
+    # --baseline: ar over other artifacts on the same prompts, compared with the target's ar
+    same, other = (f"ar@{StepModel(d).name}" for d in (target_dir, draft_dir))
+    assert rows[same]["identical_to_ar"] == 3 and rows[same]["tokens"] == rows["ar"]["tokens"]
+    assert rows[other]["tokens"] > 0 and rows[other]["tokens_per_s_cpu"] > 0
     assert rows["chain"]["identical_to_ar"] == data["prompts"] == 3
     assert rows["ar"]["target_calls_per_token"] == pytest.approx(1.0, abs=0.1)
     assert rows["chain"]["phone_ms_per_token"] > 0
