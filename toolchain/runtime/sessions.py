@@ -18,6 +18,7 @@ import onnxruntime as ort
 from toolchain.artifact.chain import run_chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
+from toolchain.runtime.shared_weights import SharedWeights
 
 # Weight bytes a memory-bounded user of an artifact (the compile's checks, calibration) keeps in open
 # sessions; parts are cut to about this size, so a 8B model is checked one part at a time.
@@ -46,11 +47,14 @@ class ArtifactSessions:
     """Lazily opened sessions for every graph of an artifact, on the CPU EP by default."""
 
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
-                 provider_options: dict[str, str] | None = None, max_resident_bytes: float | None = None):
+                 provider_options: dict[str, str] | None = None, max_resident_bytes: float | None = None,
+                 share_weights: bool = True):
         """max_resident_bytes: keep at most about this many weight bytes in open sessions, closing
-        the least recently used ones (the compile's checks of multi-GB models); None keeps all."""
+        the least recently used ones (the compile's checks of multi-GB models); None keeps all.
+        share_weights: CPU sessions read one memory map of the weights (toolchain/runtime/shared_weights.py)."""
         self.folder = Path(folder)
         self.max_resident_bytes = max_resident_bytes
+        self.shared = SharedWeights() if share_weights and max_resident_bytes is None else None
         self.manifest = Manifest.load(self.folder)
         self.provider = provider
         self.threads = threads
@@ -83,6 +87,8 @@ class ArtifactSessions:
             else:
                 budgeted = self.max_resident_bytes is not None
                 opts = (reopenable_session_options if budgeted else session_options)(self.threads)
+                if self.shared is not None:
+                    self.shared.add_to(opts, Path(path))
                 self._sessions[name] = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         return self._sessions[name]
 

@@ -1,0 +1,64 @@
+"""Sessions over graphs that name the same external weights hold one copy of them, not one each."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from toolchain.runtime.shared_weights import SharedWeights
+
+ROWS, COLS = 1024, 8192  # 32 MB of float32
+
+
+def _graph(folder, width: int):
+    t = onnx.TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[ROWS, COLS],
+                         data_location=onnx.TensorProto.EXTERNAL)
+    for k, v in (("location", "weights.bin"), ("offset", "64"), ("length", str(ROWS * COLS * 4))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    g = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"])], f"w{width}",
+                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, [width, ROWS])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [width, COLS])], [t])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    path = folder / f"w{width}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def _open_all(paths, shared: SharedWeights | None):
+    sessions = []
+    for p in paths:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if shared is not None:
+            shared.add_to(so, p)
+        sessions.append(ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]))
+    return sessions
+
+
+def test_four_widths_hold_one_copy(tmp_path):
+    w = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 64 + w.tobytes())
+    paths = [_graph(tmp_path, n) for n in (1, 4, 8, 32)]
+    before = _rss_mb()
+    shared = SharedWeights()
+    sessions = _open_all(paths, shared)
+    for s, n in zip(sessions, (1, 4, 8, 32), strict=True):
+        a = np.random.default_rng(n).standard_normal((n, ROWS)).astype(np.float32)
+        np.testing.assert_allclose(s.run(None, {"A": a})[0], a @ w, rtol=1e-4, atol=1e-3)
+    grown = _rss_mb() - before
+    assert grown < 1.5 * w.nbytes / 2**20, grown  # one 32 MB copy (the mapped pages), not four
+    del sessions
+    before = _rss_mb()
+    unshared = _open_all(paths, None)  # the old way: each session reads its own copy
+    for s, n in zip(unshared, (1, 4, 8, 32), strict=True):
+        s.run(None, {"A": np.zeros((n, ROWS), np.float32)})
+    assert _rss_mb() - before > 3 * w.nbytes / 2**20
