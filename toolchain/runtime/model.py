@@ -29,12 +29,14 @@ STEP_ROLES = ("decode", "prefill", "tree", "custom", "diffusion")
 
 class StepModel:
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
-                 provider_options: dict[str, str] | None = None, io_binding: bool = True):
+                 provider_options: dict[str, str] | None = None, io_binding: bool = True,
+                 share_weights: bool = True):
         self.folder = Path(folder)
         # sizes are checked now; weights not verified before are hashed while the sessions start
         # (toolchain/artifact/integrity.py) and the first call waits for that check
         with integrity.deferred_hashing() as pending:
-            self.sessions = ArtifactSessions(folder, provider, threads, provider_options)
+            self.sessions = ArtifactSessions(folder, provider, threads, provider_options,
+                                             share_weights=share_weights)
         self._integrity = pending
         self.manifest = self.sessions.manifest
         self.name: str = self.manifest.name
