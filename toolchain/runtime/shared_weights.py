@@ -45,9 +45,11 @@ class SharedWeights:
         for name, dtype, dims, info in _external_initializers(graph_path):
             data = self._map(graph_path.parent / info["location"])
             offset, length = int(info.get("offset", 0)), int(info.get("length", 0))
-            if offset + length > data.size or length != int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize:
+            if offset + length > data.size:
                 raise ArtifactError(f"{graph_path.name}: weight {name} points outside {info['location']}; "
                                     "the artifact is damaged: run `mobc verify` or recompile")
+            if np.dtype(dtype).kind not in "fiub" or length != int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize:
+                continue  # packed sub-byte codes (int4 QDQ weights): onnxruntime reads them itself
             value = ort.OrtValue.ortvalue_from_numpy(data[offset : offset + length].view(dtype).reshape(dims))
             so.add_initializer(name, value)
             self._alive.append(value)

@@ -62,3 +62,30 @@ def test_four_widths_hold_one_copy(tmp_path):
     for s, n in zip(unshared, (1, 4, 8, 32), strict=True):
         s.run(None, {"A": np.zeros((n, ROWS), np.float32)})
     assert _rss_mb() - before > 3 * w.nbytes / 2**20
+
+
+def test_packed_int4_weights_are_left_to_onnxruntime(tmp_path):
+    """QDQ graphs keep int4 codes two to a byte, which numpy cannot view: those initializers are
+    read by onnxruntime itself (the W4A16 SmolLM2 compile failed here before)."""
+    import ml_dtypes
+
+    codes = np.random.default_rng(0).integers(-8, 8, size=(256, 64)).astype(ml_dtypes.int4)
+    packed = onnx.numpy_helper.from_array(codes).raw_data  # 2 codes per byte
+    (tmp_path / "weights.bin").write_bytes(packed)
+    t = onnx.TensorProto(name="Q", data_type=TensorProto.INT4, dims=[256, 64], data_location=onnx.TensorProto.EXTERNAL)
+    for k, v in (("location", "weights.bin"), ("offset", "0"), ("length", str(len(packed)))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    scale = onnx.numpy_helper.from_array(np.float32(0.5), "S")
+    g = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["Q", "S"], ["W"]), helper.make_node("MatMul", ["A", "W"], ["Y"])],
+        "q", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, 256])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 64])], [t, scale])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "q.onnx"))
+    so = ort.SessionOptions()
+    assert SharedWeights().add_to(so, tmp_path / "q.onnx") == 0
+    a = np.ones((1, 256), np.float32)
+    y = ort.InferenceSession(str(tmp_path / "q.onnx"), so).run(None, {"A": a})[0]
+    np.testing.assert_allclose(y, a @ (codes.astype(np.float32) * 0.5), rtol=1e-5)
