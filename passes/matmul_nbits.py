@@ -9,7 +9,7 @@ Rewrite rules (blocks of `block_size` along the input axis):
     `ReduceSum(blocks(x)) @ Cb` (Cb [C/block, O] the per-block offsets, 1/block of the work)
     added to its output: x @ W = x @ (d*k) + blocksum(x) @ Cb exactly in real arithmetic.
   - with `int8: true`, a weight on no int4 grid but on a symmetric int8 one (Q8_0: embeddings and
-    lm_head) -> `MatMulNBits(x, q = k + 128, d)`, bits 8.
+    lm_head) -> `MatMulNBits(x, q = k + 128, d)`, bits 8 (fast only with accuracy_level 4).
   - weights on no grid stay float MatMuls (a random-weight model has none on a grid).
 `accuracy_level` is MatMulNBits' own: 0 computes in float32 (the float graph's semantics, the
 default), 4 quantizes activations to int8 inside the kernel (faster, no longer exact).
@@ -121,7 +121,10 @@ class MatMulNBits(GraphPass):
 
     class Config(PassConfig):
         block_size: int = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block
-        int8: bool = True  # Q8_0 weights (embedding, tied lm_head) as 8-bit MatMulNBits
+        # Q8_0 weights (the tied lm_head) as 8-bit MatMulNBits: on the CPU EP only fast at
+        # accuracy_level 4 (measured, SmolLM2's lm_head, 1 thread: 0.03x float's speed at level 0,
+        # 3.4x at level 4), so off by default
+        int8: bool = False
         accuracy_level: int = 0  # 0: float32 compute (exact); 4: int8 activations in the kernel
 
     def rewrite(self, model: ir.Model) -> bool:

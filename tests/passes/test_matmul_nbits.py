@@ -69,10 +69,10 @@ def test_grid_weights_become_matmulnbits_and_numerics_hold(arch):
     gs, feeds = graphset_for(arch, (1, 4))
     grids = _on_grids(gs)
     assert {"q4_1", "q4_0"} <= set(grids.values())
-    out, rows = run_passes(gs, ["fold_constants", "matmul_nbits"], 1e-4, feeds)
+    out, rows = run_passes(gs, ["fold_constants", {"matmul_nbits": {"int8": True}}], 1e-4, feeds)
     row = rows[-1]
     assert row["worst"]["diff"] < 1e-4  # the pass runner compared every output with the float graph
-    p = build("matmul_nbits")
+    p = build({"matmul_nbits": {"int8": True}})
     for entry in out.entries.values():
         p.ensures(entry.model)
         ops = [n.op_type for n in entry.model.graph]

@@ -48,10 +48,13 @@ class ArtifactSessions:
 
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
                  provider_options: dict[str, str] | None = None, max_resident_bytes: float | None = None,
-                 share_weights: bool = True):
+                 share_weights: bool = False):
         """max_resident_bytes: keep at most about this many weight bytes in open sessions, closing
         the least recently used ones (the compile's checks of multi-GB models); None keeps all.
-        share_weights: CPU sessions read one memory map of the weights (toolchain/runtime/shared_weights.py)."""
+        share_weights: CPU sessions read one memory map of the weights (toolchain/runtime/shared_weights.py).
+        Off by default, by measurement on SmolLM2 (1 thread, 2 widths open): Conv graphs gain nothing
+        (1.88 vs 1.84 GB max RSS: onnxruntime re-lays Conv weights out per session anyway) and
+        MatMulNBits needs prepacking (3.8 vs 28.7 tok/s without it)."""
         self.folder = Path(folder)
         self.max_resident_bytes = max_resident_bytes
         self.shared = SharedWeights() if share_weights and max_resident_bytes is None else None

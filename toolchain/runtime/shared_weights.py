@@ -6,6 +6,12 @@ process with four widths of SmolLM2 held four copies of the 538 MB of weights, a
 added more. Widths (and the parts of one width) name the same bytes of weights.bin; given the
 same mapped bytes through `SessionOptions.add_initializer`, every session reads the page cache's
 one copy (prepacking, which would copy each weight into a kernel layout per session, is off).
+
+It pays only where kernels read the initializers as they are (MatMul graphs: four widths over
+32 MB hold one copy, tests/toolchain/runtime/test_shared_weights.py). Measured on SmolLM2 it does
+not pay: the NPU graphs' Conv weights are re-laid out per session by onnxruntime's optimizer
+anyway, and MatMulNBits runs 7x slower without prepacking; so ArtifactSessions uses it only
+when asked (share_weights=True).
 """
 
 from __future__ import annotations
