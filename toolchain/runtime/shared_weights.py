@@ -35,6 +35,9 @@ def _external_initializers(graph_path: Path):
 
 
 class SharedWeights:
+    """Must outlive every session it was added to: they read its mapped buffers (ArtifactSessions
+    holds it for exactly that)."""
+
     def __init__(self) -> None:
         self._maps: dict[Path, np.memmap] = {}
         self._alive: list[object] = []  # onnxruntime reads these buffers for the sessions' lifetime

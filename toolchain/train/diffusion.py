@@ -53,6 +53,7 @@ class DiffusionTrainError(MobcError):
 @dataclass
 class DiffusionTrainConfig:
     seconds: float = 900.0  # wall-clock budget of the optimisation loop
+    max_steps: int | None = None  # stop after this many steps even within the budget (reproducible runs)
     seq_len: int = 96
     block: int = 32
     batch: int = 4
@@ -146,6 +147,7 @@ def _train_loop(model: Any, mask_emb: torch.Tensor, train: np.ndarray, cfg: Diff
         step_loss,
         lr=cfg.lr,
         seconds=cfg.seconds,
+        max_steps=cfg.max_steps,
         log=log,
         label="masked CE",
         every=5,

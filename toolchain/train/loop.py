@@ -41,8 +41,10 @@ def timed_adamw_loop(
     every: int,
     clip: float = 1.0,
     lr_at: Callable[[int], float] | None = None,
+    max_steps: int | None = None,
 ) -> LoopResult:
-    """AdamW (no weight decay) on `params` for `seconds` of wall clock.
+    """AdamW (no weight decay) on `params` for `seconds` of wall clock (or `max_steps` steps, if
+    that comes first: a fixed amount of work, whatever the machine's load).
 
     Each step: lr from `lr_at(step)` if given (step counts from 0), loss = step_loss(), backward,
     clip the gradients' total norm to `clip`, optimizer step. Every `every` steps it logs
@@ -53,7 +55,7 @@ def timed_adamw_loop(
     module.train()
     t0 = time.perf_counter()
     step, losses = 0, []
-    while time.perf_counter() - t0 < seconds:
+    while time.perf_counter() - t0 < seconds and (max_steps is None or step < max_steps):
         if lr_at is not None:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -28,40 +32,60 @@ def _graph(folder, width: int):
     return path
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+_MEASURE = """
+import sys
+from pathlib import Path
+import numpy as np
+from tests.toolchain.runtime.test_shared_weights import open_and_run
+from toolchain.runtime.shared_weights import SharedWeights
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+folder, mode = Path(sys.argv[1]), sys.argv[2]
+paths = sorted(folder.glob("w*.onnx"))
+before = rss()
+shared = SharedWeights() if mode == "shared" else None  # must outlive the sessions: they read its buffers
+sessions = open_and_run(paths, shared)
+print(rss() - before)
+"""
 
 
-def _open_all(paths, shared: SharedWeights | None):
+def open_and_run(paths, shared: SharedWeights | None):
+    """Opens a session per graph (sharing the weights or not) and runs each once; returns them."""
     sessions = []
     for p in paths:
         so = ort.SessionOptions()
         so.log_severity_level = 3
         if shared is not None:
             shared.add_to(so, p)
-        sessions.append(ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]))
+        s = ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"])
+        width = s.get_inputs()[0].shape[0]
+        s.run(None, {"A": np.zeros((width, ROWS), np.float32)})
+        sessions.append(s)
     return sessions
+
+
+def _growth_mb(folder, mode: str) -> float:
+    """RSS growth of a fresh process that opens and runs every graph (in-process figures are
+    muddied by memory the allocator kept from earlier tests)."""
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(folder), mode], cwd=root, capture_output=True,
+                         text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def test_four_widths_hold_one_copy(tmp_path):
     w = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
     (tmp_path / "weights.bin").write_bytes(b"\0" * 64 + w.tobytes())
     paths = [_graph(tmp_path, n) for n in (1, 4, 8, 32)]
-    before = _rss_mb()
-    shared = SharedWeights()
-    sessions = _open_all(paths, shared)
+    shared = SharedWeights()  # must outlive the sessions: they read its buffers
+    sessions = open_and_run(paths, shared)
     for s, n in zip(sessions, (1, 4, 8, 32), strict=True):
         a = np.random.default_rng(n).standard_normal((n, ROWS)).astype(np.float32)
         np.testing.assert_allclose(s.run(None, {"A": a})[0], a @ w, rtol=1e-4, atol=1e-3)
-    grown = _rss_mb() - before
-    assert grown < 1.5 * w.nbytes / 2**20, grown  # one 32 MB copy (the mapped pages), not four
-    del sessions
-    before = _rss_mb()
-    unshared = _open_all(paths, None)  # the old way: each session reads its own copy
-    for s, n in zip(unshared, (1, 4, 8, 32), strict=True):
-        s.run(None, {"A": np.zeros((n, ROWS), np.float32)})
-    assert _rss_mb() - before > 3 * w.nbytes / 2**20
+    mb = w.nbytes / 2**20
+    shared, copies = _growth_mb(tmp_path, "shared"), _growth_mb(tmp_path, "copies")
+    assert shared < 1.5 * mb, shared  # one 32 MB copy (the mapped pages), not four
+    assert copies > 3 * mb, copies  # the old way: each session reads its own copy
 
 
 def test_packed_int4_weights_are_left_to_onnxruntime(tmp_path):
