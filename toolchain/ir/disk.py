@@ -14,6 +14,7 @@ sends every large array there, so a pass that rewrites all weights holds one ten
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -81,7 +82,6 @@ class Spill:
         self._source_digest: dict[tuple[str, int], str] = {}
         self._by_source_digest: dict[tuple[str, int], tuple[str, int]] = {}
         self.bytes_written = 0
-        self.bytes_found_in_source = 0
 
     def section(self, label: str) -> None:
         """Starts a new scratch file, so `collect` can delete what a later section replaced."""
@@ -114,7 +114,6 @@ class Spill:
         key = digest + str(array.dtype) + str(array.shape)
         found = self._in_source(digest, len(data)) if array.dtype == np.float32 else None
         if found is not None:
-            self.bytes_found_in_source += len(data)
             return DiskTensor(found[0], found[1], len(data), ir.DataType.FLOAT, shape=ir.Shape(array.shape),
                               name=name, base_dir=self.folder)
         if key not in self._by_hash:
@@ -144,12 +143,9 @@ class Spill:
         used = {Path(t.path).name for t in live}
         regions = {(Path(t.path).name, t.offset or 0) for t in live}
         freed = 0
-        for key, (location, offset, length) in list(self._by_hash.items()):
-            if location in used and (location, offset) not in regions and punch_hole(
-                    self.folder / location, offset, length):
-                self._released.add((location, offset))
-                del self._by_hash[key]
-                freed += length
+        for location, offset, length in set(self._by_hash.values()):
+            if location in used and (location, offset) not in regions:
+                freed += self._free_region(location, offset, length)
         for path in self.folder.glob("spill*.bin"):
             if path.name not in used and path.name != self._name:
                 freed += path.stat().st_size
@@ -169,11 +165,16 @@ class Spill:
         if path.parent.resolve() != self.folder.resolve() or not path.name.startswith("spill"):
             return 0
         length = tensor.length if tensor.length is not None else tensor.nbytes
-        key = (path.name, tensor.offset or 0)
-        if key in self._released or not punch_hole(path, tensor.offset or 0, length):
+        return self._free_region(path.name, tensor.offset or 0, length)
+
+    def _free_region(self, location: str, offset: int, length: int) -> int:
+        """Punches one stored tensor out of its scratch file and forgets it, so `store` never hands
+        the freed place out again; returns the bytes freed (0 if already freed or not possible)."""
+        key = (location, offset)
+        if key in self._released or not punch_hole(self.folder / location, offset, length):
             return 0
         self._released.add(key)
-        self._by_hash = {k: v for k, v in self._by_hash.items() if v[:2] != key}  # never hand it out again
+        self._by_hash = {k: v for k, v in self._by_hash.items() if v[:2] != key}
         return length
 
     def clear(self) -> int:
@@ -199,19 +200,25 @@ class Spill:
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
-def punch_hole(path: Path, offset: int, length: int) -> bool:
-    """Deallocates [offset, offset+length) of a file (Linux fallocate), keeping its size; the range
-    then reads as zeros. False where the OS or filesystem cannot (the bytes then simply stay)."""
-    if length <= 0 or not hasattr(os, "O_RDWR"):
-        return False
+@functools.cache
+def _fallocate():
+    """libc's fallocate, or None where there is none (not Linux)."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fallocate = libc.fallocate
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
     except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    return fn
+
+
+def punch_hole(path: Path, offset: int, length: int) -> bool:
+    """Deallocates [offset, offset+length) of a file (Linux fallocate), keeping its size; the range
+    then reads as zeros. False where the OS or filesystem cannot (the bytes then simply stay)."""
+    fallocate = _fallocate()
+    if length <= 0 or fallocate is None:
         return False
-    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
     fd = os.open(path, os.O_RDWR)
     try:
         return fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0
