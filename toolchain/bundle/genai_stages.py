@@ -58,7 +58,8 @@ def _const(name: str, array: np.ndarray) -> TensorProto:
 
 def _common(layout: StepLayout) -> tuple[list, list]:
     """Nodes and constants both the position processor and the pack stage need: which of this call's
-    rows hold real tokens (`row_valid` [W] bool) and how many tokens the cache holds (`cached` [])."""
+    rows hold real tokens (`row_valid` [W] bool), their positions (`pos` [1, W], `pos_1d` [W], int64)
+    and how many tokens the cache holds (`cached` [])."""
     w, cl = layout.width, layout.context
     inits = [_const("past_cols", np.array([0, 0], np.int64)), _const("past_end", np.array([1, cl - w], np.int64)),
              _const("rows_start", np.array([cl - w], np.int64)), _const("rows_end", np.array([cl], np.int64)),
@@ -68,7 +69,9 @@ def _common(layout: StepLayout) -> tuple[list, list]:
              helper.make_node("Cast", ["row_mask_1d"], ["row_valid"], to=TensorProto.BOOL),
              helper.make_node("Slice", [GENAI_MASK, "past_cols", "past_end"], ["past_mask"]),
              helper.make_node("ReduceSum", ["past_mask"], ["cached_i32"], keepdims=0),
-             helper.make_node("Cast", ["cached_i32"], ["cached"], to=TensorProto.INT64)]
+             helper.make_node("Cast", ["cached_i32"], ["cached"], to=TensorProto.INT64),
+             helper.make_node("Cast", [GENAI_POSITIONS], ["pos"], to=TensorProto.INT64),
+             helper.make_node("Squeeze", ["pos", "axis0"], ["pos_1d"])]
     return nodes, inits
 
 
@@ -80,8 +83,6 @@ def position_processor(layout: StepLayout, rope: dict[str, np.ndarray]) -> onnx.
               _const("eye", np.eye(w, dtype=bool)), _const("shape_wn", np.array([w, cl - w], np.int64)),
               _const("axis_last", np.array([-1], np.int64)), _const("axes01", np.array([0, 1], np.int64))]
     nodes += [
-        helper.make_node("Cast", [GENAI_POSITIONS], ["pos"], to=TensorProto.INT64),
-        helper.make_node("Squeeze", ["pos", "axis0"], ["pos_1d"]),  # [W]
         # cache slots [0, CL-W): slot s holds position s; seen while s < cached
         helper.make_node("Less", ["slot_index", "cached"], ["slot_filled"]),  # [CL-W]
         helper.make_node("Expand", ["slot_filled", "shape_wn"], ["past_seen"]),  # [W, CL-W]
@@ -126,9 +127,15 @@ def _buffer_info(layout: StepLayout, name: str):
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, layout.n_kv, layout.context, layout.head_dim])
 
 
-# step graph layout <-> genai buffer [1, Hkv, S, D]: keys are stored pre-transposed [Hkv, 1, D, S]
-_TO_STEP = {"key": [1, 0, 3, 2], "value": [1, 0, 2, 3]}
-_TO_BUFFER = {"key": [1, 0, 3, 2], "value": [1, 0, 2, 3]}
+# step graph layout <-> genai buffer [1, Hkv, S, D] (keys are stored pre-transposed [Hkv, 1, D, S]);
+# each permutation is its own inverse, so one table serves both directions
+_SWAP = {"key": [1, 0, 3, 2], "value": [1, 0, 2, 3]}
+
+
+def _step_shape(layout: StepLayout, kind: str, rows: int) -> list[int]:
+    """A step graph's key/value tensor of `rows` sequence rows (StepLayout's convention)."""
+    d = layout.head_dim
+    return [layout.n_kv, 1, d, rows] if kind == "key" else [layout.n_kv, 1, rows, d]
 
 
 def kv_unpack(layout: StepLayout) -> onnx.ModelProto:
@@ -137,15 +144,13 @@ def kv_unpack(layout: StepLayout) -> onnx.ModelProto:
     inits = [_const("zero", np.array([0], np.int64)), _const("past_len", np.array([past], np.int64)),
              _const("axis2", np.array([2], np.int64))]
     nodes, inputs, outputs = [], [], []
-    d = layout.head_dim
     for i in range(layout.n_layers):
         for kind in ("key", "value"):
             src, dst = genai_kv_name(kind, "past", i), f"past_{kind}_{i}"
             nodes += [helper.make_node("Slice", [src, "zero", "past_len", "axis2"], [f"{dst}_slots"]),
-                      helper.make_node("Transpose", [f"{dst}_slots"], [dst], perm=_TO_STEP[kind])]
+                      helper.make_node("Transpose", [f"{dst}_slots"], [dst], perm=_SWAP[kind])]
             inputs.append(_buffer_info(layout, src))
-            shape = [layout.n_kv, 1, d, past] if kind == "key" else [layout.n_kv, 1, past, d]
-            outputs.append(helper.make_tensor_value_info(dst, TensorProto.FLOAT, shape))
+            outputs.append(helper.make_tensor_value_info(dst, TensorProto.FLOAT, _step_shape(layout, kind, past)))
     return _model(nodes, f"kv_unpack_w{layout.width}", inputs, outputs, inits)
 
 
@@ -157,18 +162,16 @@ def kv_pack(layout: StepLayout) -> onnx.ModelProto:
     inits += [_const("last_slot", np.int64(cl - 1)),
               _const("rows_shape", np.array([1, layout.n_kv, w, d], np.int64)),
               _const("idx_shape", np.array([1, 1, w, 1], np.int64))]
-    nodes += [helper.make_node("Cast", [GENAI_POSITIONS], ["pos"], to=TensorProto.INT64),
-              helper.make_node("Squeeze", ["pos", "axis0"], ["pos_1d"]),
-              helper.make_node("Where", ["row_valid", "pos_1d", "last_slot"], ["slot"]),
+    nodes += [helper.make_node("Where", ["row_valid", "pos_1d", "last_slot"], ["slot"]),
               helper.make_node("Reshape", ["slot", "idx_shape"], ["slot4"]),
               helper.make_node("Expand", ["slot4", "rows_shape"], ["slots"])]
     inputs, outputs = _window_inputs(layout), []
     for i in range(layout.n_layers):
         for kind in ("key", "value"):
             new, past, present = f"new_{kind}_{i}", genai_kv_name(kind, "past", i), genai_kv_name(kind, "present", i)
-            nodes += [helper.make_node("Transpose", [new], [f"{new}_rows"], perm=_TO_BUFFER[kind]),
+            nodes += [helper.make_node("Transpose", [new], [f"{new}_rows"], perm=_SWAP[kind]),
                       helper.make_node("ScatterElements", [past, "slots", f"{new}_rows"], [present], axis=2)]
-            shape = [layout.n_kv, 1, d, w] if kind == "key" else [layout.n_kv, 1, w, d]
-            inputs += [helper.make_tensor_value_info(new, TensorProto.FLOAT, shape), _buffer_info(layout, past)]
+            inputs += [helper.make_tensor_value_info(new, TensorProto.FLOAT, _step_shape(layout, kind, w)),
+                       _buffer_info(layout, past)]
             outputs.append(_buffer_info(layout, present))
     return _model(nodes, f"kv_pack_w{w}", inputs, outputs, inits)
