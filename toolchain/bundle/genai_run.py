@@ -8,6 +8,7 @@ prompt by prompt, so the tokens/s ratio is measured under the same load.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,26 +25,32 @@ class BundleMismatchError(MobcError):
     """onnxruntime-genai and mobc generated different tokens from one bundle/artifact pair."""
 
 
-_QNN_REGISTERED: list[bool] = []
-
-
 def _genai(target: str = "cpu"):
     try:
         import onnxruntime_genai as og
     except ImportError:
         raise ArtifactError("running a bundle needs onnxruntime-genai: pip install onnxruntime-genai "
                             "(it is in mobc's dev extra)") from None
-    if target == "qnn" and not _QNN_REGISTERED:
-        # genai's PyPI wheel has no QNN EP built in; onnxruntime-qnn's plugin library provides it
-        # (the HTP emulator on x86, the real HTP on a Snapdragon device)
-        try:
-            import onnxruntime_qnn
-        except ImportError:
-            raise ArtifactError("a --target qnn bundle runs on the QNN EP: install onnxruntime-qnn "
-                                "(a mobc dependency on Linux x86_64)") from None
-        og.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
-        _QNN_REGISTERED.append(True)
+    if target == "qnn":
+        _register_qnn(og)
     return og
+
+
+@functools.cache  # once per process
+def _register_qnn(og: Any) -> None:
+    """genai's PyPI wheel has no QNN EP built in; onnxruntime-qnn's plugin library provides it
+    (the HTP emulator on x86, the real HTP on a Snapdragon device)."""
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        raise ArtifactError("a --target qnn bundle runs on the QNN EP: install onnxruntime-qnn "
+                            "(a mobc dependency on Linux x86_64)") from None
+    og.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
+
+
+def padded_length(n: int, width: int) -> int:
+    """The prompt's length as genai feeds it: left-padded to whole windows (genai counts the pads)."""
+    return -(-n // width) * width
 
 
 @dataclass
@@ -76,9 +83,8 @@ class GenaiRunner:
         if pad in ids:
             raise ArtifactError(f"the prompt holds token {pad}, the bundle's pad token: onnxruntime-genai would "
                                 "take it for padding; remove it from the prompt")
-        width = self.marker["prompt_width"]
-        padded = -(-len(ids) // width) * width  # genai left-pads the prompt to whole windows and counts the pads
         params = self._og.GeneratorParams(self.model)
+        padded = padded_length(len(ids), self.marker["prompt_width"])
         params.set_search_options(do_sample=False, max_length=padded + max_new_tokens)
         gen = self._og.Generator(self.model, params)
         out: list[int] = []
@@ -95,14 +101,18 @@ class GenaiRunner:
 
 
 def mobc_generate(model: Any, ids: Sequence[int], max_new_tokens: int) -> Generation:
-    """The `ar` policy's greedy loop on a StepModel, timed like GenaiRunner.generate."""
+    """`mobc run`'s greedy decoding (the ar policy) on a StepModel, timed like GenaiRunner.generate."""
+    from toolchain.runtime.policies import Sampler, make_policy
+
+    out: list[int] = []
+    first = None
     t0 = time.perf_counter()
-    logits = model.prefill(list(ids))
-    out = [int(np.argmax(logits))]
-    first = time.perf_counter()
-    while len(out) < max_new_tokens and out[-1] not in model.eos_ids and model.room(1):
-        out.append(int(np.argmax(model.feed([out[-1]]))))
-    return Generation(out, first - t0, time.perf_counter() - first)
+    for chunk in make_policy("ar", model).generate(list(ids), max_new_tokens, Sampler()):
+        out += chunk
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return Generation(out, (first or end) - t0, end - (first or end))
 
 
 @dataclass
@@ -165,7 +175,7 @@ def verify_bundle(bundle: str | Path, prompts: Sequence[Sequence[int]], tokens: 
     runner = GenaiRunner(bundle)
     width, context = runner.marker["prompt_width"], runner.marker["context"]
     for i, ids in enumerate(prompts):
-        padded = -(-len(ids) // width) * width
+        padded = padded_length(len(ids), width)
         if not ids or padded + tokens > context:
             raise ArtifactError(
                 f"prompt {i + 1} has {len(ids)} tokens: padded to whole windows of {width} ({padded}) plus "
