@@ -29,6 +29,8 @@ from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
 from toolchain.bundle import genai_stages as stages
 from toolchain.compile.emit import staging
 from toolchain.errors import ArtifactError
+from toolchain.runtime.shared_weights import external_initializers
+from toolchain.runtime.tokenizer import Tokenizer
 
 CONFIG = "genai_config.json"
 MARKER = "mobc_bundle.json"  # what mobc knows about the bundle (genai refuses unknown config keys)
@@ -105,13 +107,7 @@ def _link(src: Path, dst: Path, summary: BundleSummary) -> None:
 
 def _external_files(path: Path) -> list[str]:
     """The external-data files a graph refers to, relative to its own folder (weights stay unread)."""
-    model = onnx.load(str(path), load_external_data=False)
-    out = set()
-    for t in model.graph.initializer:
-        for entry in t.external_data:
-            if entry.key == "location":
-                out.add(entry.value)
-    return sorted(out)
+    return sorted({info["location"] for *_, info in external_initializers(path)})
 
 
 def _qnn_contexts(manifest: Manifest, folder: Path) -> dict[str, dict[str, Any]]:
@@ -143,7 +139,10 @@ def _io(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
 
 
 def _family_stages(manifest: Manifest, artifact: Path, out: Path, family: str, prompt: bool, target: str,
-                   rope: dict[str, np.ndarray], summary: BundleSummary) -> dict[str, dict[str, Any]]:
+                   rope: dict[str, np.ndarray], summary: BundleSummary,
+                   kinds: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The family's pipeline entries in order; `kinds` gets each stage's kind (small / graph /
+    epcontext), which the bundle record keeps for the structure check."""
     chain = manifest.chain(family)
     head = chain[0]
     layout = manifest.model.layout(head.width, head.context)
@@ -154,12 +153,14 @@ def _family_stages(manifest: Manifest, artifact: Path, out: Path, family: str, p
         filename = f"{tag}_{name}.onnx"
         _write_onnx(model, out / filename, summary)
         pipeline[f"{tag}_{name}"] = _entry(filename, *_io(model), prompt)
+        kinds[f"{tag}_{name}"] = "small"
 
     small("position_processor", stages.position_processor(layout, rope))
     small("kv_unpack", stages.kv_unpack(layout))
     contexts = _qnn_contexts(manifest, artifact) if target == "qnn" else {}
     for stage in chain:
         pipeline[f"{tag}_{stage.name}"] = _graph_stage(stage, artifact, out, prompt, contexts, summary)
+        kinds[f"{tag}_{stage.name}"] = "epcontext" if contexts else "graph"
     small("kv_pack", stages.kv_pack(layout))
     return pipeline
 
@@ -187,20 +188,13 @@ def _graph_stage(stage: GraphRecord, artifact: Path, out: Path, prompt: bool,
 
 
 def _special_ids(manifest: Manifest, artifact: Path) -> dict[str, int]:
+    """bos, eos and the pad token genai pads prompts with: the tokenizer's own pad token unless it is
+    missing or the bos token (genai would take a leading bos for padding), else the first eos."""
     model = manifest.model
     eos = list(model.eos_token_ids) or [0]
-    pad = eos[0]
-    config_path = artifact / "tokenizer" / "tokenizer_config.json"
-    tok_json = artifact / "tokenizer" / "tokenizer.json"
-    if config_path.is_file() and tok_json.is_file():
-        pad_token = json.loads(config_path.read_text()).get("pad_token")
-        pad_token = pad_token.get("content") if isinstance(pad_token, dict) else pad_token
-        if pad_token:
-            vocab = json.loads(tok_json.read_text()).get("model", {}).get("vocab", {})
-            added = {t["content"]: t["id"] for t in json.loads(tok_json.read_text()).get("added_tokens", [])}
-            found = added.get(pad_token, vocab.get(pad_token) if isinstance(vocab, dict) else None)
-            if isinstance(found, int) and found != model.bos_token_id:
-                pad = found
+    tok = Tokenizer(artifact / "tokenizer")
+    found = tok.convert_tokens_to_ids(tok.pad_token) if tok.pad_token else None
+    pad = found if found is not None and found != model.bos_token_id else eos[0]
     bos = model.bos_token_id if model.bos_token_id is not None else eos[0]
     return {"bos": int(bos), "eos": [int(e) for e in eos], "pad": int(pad)}
 
@@ -275,16 +269,17 @@ def write_bundle(artifact: str | Path, out: str | Path | None = None, target: st
         raise ArtifactError(f"{artifact}/{ROPE} holds fewer positions than the context {head.context}; recompile")
     with staging(out, force, is_bundle) as tmp:
         summary = BundleSummary(folder=out, target=target, prompt_width=head.width, context=head.context, stages=[])
-        pipeline = {}
-        pipeline.update(_family_stages(manifest, artifact, tmp, prompt_family, True, target, rope, summary))
-        pipeline.update(_family_stages(manifest, artifact, tmp, token_family, False, target, rope, summary))
+        pipeline, kinds = {}, {}
+        for family, prompt in ((prompt_family, True), (token_family, False)):
+            pipeline.update(_family_stages(manifest, artifact, tmp, family, prompt, target, rope, summary, kinds))
         ids = _special_ids(manifest, artifact)
         config = genai_config(manifest, head.width, head.context, pipeline, ids)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for name in TOKENIZER_FILES:
             if (artifact / "tokenizer" / name).is_file():
                 shutil.copyfile(artifact / "tokenizer" / name, tmp / name)
-        summary.stages = [{"name": k, "file": v["filename"], "prompt": v["run_on_prompt"]} for k, v in pipeline.items()]
+        summary.stages = [{"name": k, "file": v["filename"], "prompt": v["run_on_prompt"], "kind": kinds[k]}
+                          for k, v in pipeline.items()]
         marker = {"format": FORMAT, "artifact": str(artifact.resolve()), "artifact_name": manifest.name,
                   "target": target, "prompt_family": prompt_family, "token_family": token_family,
                   "prompt_width": head.width, "context": head.context, "head_dim": manifest.model.head_dim,

@@ -24,8 +24,10 @@ import onnxruntime as ort
 from toolchain.errors import ArtifactError
 
 
-def _external_initializers(graph_path: Path):
-    import onnx  # the graph protobuf only: its weights stay in their file
+def external_initializers(graph_path: Path):
+    """(name, numpy dtype, dims, external-data fields) of every initializer a graph keeps in another
+    file; reads the graph protobuf only (its weights stay in their file)."""
+    import onnx
 
     model = onnx.load(str(graph_path), load_external_data=False)
     for t in model.graph.initializer:
@@ -51,7 +53,7 @@ class SharedWeights:
     def add_to(self, so: ort.SessionOptions, graph_path: Path) -> int:
         """Adds every external initializer of the graph to `so`; returns how many."""
         n = 0
-        for name, dtype, dims, info in _external_initializers(graph_path):
+        for name, dtype, dims, info in external_initializers(graph_path):
             data = self._map(graph_path.parent / info["location"])
             offset, length = int(info.get("offset", 0)), int(info.get("length", 0))
             if offset + length > data.size:

@@ -47,6 +47,7 @@ class Tokenizer:
         self.chat_template: str | None = template.read_text() if template.is_file() else self.config.get("chat_template")
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
+        self.pad_token = _token_text(self.config.get("pad_token"))
 
     def __call__(self, text: str) -> Encoding:
         return Encoding(self.encode(text))
