@@ -33,6 +33,7 @@ from passes.simplify_layout import simplify
 from toolchain.ir.graph import (
     add_initializer,
     const_array,
+    linear_weight,
     new_node,
     remove_unused,
     scope,
@@ -54,23 +55,6 @@ _PUSH = {
     "Sub",
     "Div",
 }
-
-
-def _weight(node: ir.Node) -> tuple[np.ndarray, str] | None:
-    """The [O, C] weight behind a MatMul's second input, or None when it is not a constant."""
-    if node.op_type != "MatMul" or len(node.inputs) != 2:
-        return None
-    w = node.inputs[1]
-    arr = const_array(w)
-    if arr is not None and arr.ndim == 2:
-        return np.ascontiguousarray(arr.T), w.name
-    prod = w.producer() if w is not None else None
-    if prod is not None and prod.op_type == "Transpose":
-        src = const_array(prod.inputs[0])
-        perm = prod.attributes.get("perm")
-        if src is not None and src.ndim == 2 and (perm is None or list(perm.value) == [1, 0]):
-            return src, prod.inputs[0].name  # tied lm_head: the embedding table is already [O, C]
-    return None
 
 
 class _Converter:
@@ -198,7 +182,7 @@ class LinearToConv(GraphPass):
     def rewrite(self, model: ir.Model) -> bool:
         cv = _Converter(model, self.config.keep_layout == "nchw")
         for node in list(model.graph):
-            w = _weight(node)
+            w = linear_weight(node)
             if w is not None:
                 cv.convert(node, w[0])
             elif node not in cv.done:
@@ -215,5 +199,5 @@ class LinearToConv(GraphPass):
         for node in model.graph:
             if node.op_type == "Gemm" and const_array(node.inputs[1]) is not None:
                 raise AssertionError(f"Gemm {node.name} with a constant weight remains")
-            if _weight(node) is not None:
+            if linear_weight(node) is not None:
                 raise AssertionError(f"MatMul {node.name} with a constant 2-D weight remains")

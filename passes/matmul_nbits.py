@@ -28,26 +28,23 @@ import onnx_ir as ir
 from passes.base import GraphPass, PassConfig
 from passes.registry import register
 from toolchain.ir.block_grid import GridFit, fit_block_grid
-from toolchain.ir.graph import add_initializer, const_array, new_node, remove_unused, scope, shape_of
+from toolchain.ir.graph import (
+    add_initializer,
+    const_array,
+    linear_weight,
+    new_node,
+    remove_unused,
+    scope,
+    shape_of,
+)
 
 DOMAIN = "com.microsoft"
 
 
-def _weight(node: ir.Node) -> tuple[np.ndarray, bool] | None:
-    """The [C, O] weight behind a MatMul's second input, and whether it is a tied Transpose."""
-    if node.op_type != "MatMul" or len(node.inputs) != 2 or node.domain not in ("", "ai.onnx"):
-        return None
-    w = node.inputs[1]
-    arr = const_array(w)
-    if arr is not None and arr.ndim == 2:
-        return arr, False
-    prod = w.producer() if w is not None else None
-    if prod is not None and prod.op_type == "Transpose":
-        src = const_array(prod.inputs[0])
-        perm = prod.attributes.get("perm")
-        if src is not None and src.ndim == 2 and (perm is None or list(perm.value) == [1, 0]):
-            return src.T, True
-    return None
+def _weight(node: ir.Node) -> np.ndarray | None:
+    """The [C, O] weight of a projection (blocks run along C, its input axis), or None."""
+    found = linear_weight(node)
+    return None if found is None else found[0].T
 
 
 def _fit(w: np.ndarray, block: int, int8: bool) -> tuple[GridFit, int] | None:
@@ -132,7 +129,7 @@ class MatMulNBits(GraphPass):
         changed = False
         for node in list(model.graph):
             found = _weight(node)
-            fitted = _fit(found[0], cfg.block_size, cfg.int8) if found is not None else None
+            fitted = _fit(found, cfg.block_size, cfg.int8) if found is not None else None
             if fitted is None:
                 continue
             _convert(model.graph, node, fitted[0], fitted[1], cfg.block_size, cfg.accuracy_level)
@@ -145,7 +142,7 @@ class MatMulNBits(GraphPass):
     def ensures(self, model: ir.Model) -> None:
         for node in model.graph:
             found = _weight(node)
-            if found is not None and _fit(found[0], self.config.block_size, self.config.int8) is not None:
+            if found is not None and _fit(found, self.config.block_size, self.config.int8) is not None:
                 raise AssertionError(f"MatMul {node.name} has a weight on a block grid and was not converted")
             if node.op_type == "MatMulNBits":
                 a = {k: v.value for k, v in node.attributes.items()}

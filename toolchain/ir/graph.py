@@ -36,6 +36,24 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     return value.const_value.numpy()
 
 
+def linear_weight(node: ir.Node) -> tuple[np.ndarray, str] | None:
+    """The [O, C] weight behind a MatMul's second input (a constant W[C, O], or Transpose(E) of a
+    constant E[O, C] as a tied lm_head) and its initializer's name, or None when it is not a constant."""
+    if node.op_type != "MatMul" or len(node.inputs) != 2:
+        return None
+    w = node.inputs[1]
+    arr = const_array(w)
+    if arr is not None and arr.ndim == 2:
+        return np.ascontiguousarray(arr.T), w.name
+    prod = w.producer() if w is not None else None
+    if prod is not None and prod.op_type == "Transpose":
+        src = const_array(prod.inputs[0])
+        perm = prod.attributes.get("perm")
+        if src is not None and src.ndim == 2 and (perm is None or list(perm.value) == [1, 0]):
+            return src, prod.inputs[0].name  # tied lm_head: the embedding table is already [O, C]
+    return None
+
+
 def is_initializer(value: ir.Value | None) -> bool:
     return value is not None and value.is_initializer()
 
