@@ -21,6 +21,17 @@ from toolchain.errors import ArtifactError
 PROMPTS = [[5, 9, 11], [17, 3, 4, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 
 
+def _compiled(tmp_path, source, name: str, extra: str = "", context: int = 32):
+    """A tiny artifact with decode (N=1) and prefill (N=4) graphs, compiled without the greedy check."""
+    from tests.tiny import write_recipe
+    from toolchain.compile.pipeline import compile_recipe
+
+    graphs = f"  decode: {{width: 1, context: {context}}}\n  prefill: {{width: 4, context: {context}}}\n"
+    recipe = write_recipe(tmp_path / f"{name}.yaml", source, name=name, graphs=graphs, extra=extra)
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    return compile_recipe(recipe).out_dir
+
+
 def test_genai_generates_what_mobc_generates(tiny_artifact, tmp_path):
     summary = write_bundle(tiny_artifact, tmp_path / "b")
     check = verify_bundle(summary.folder, PROMPTS, tokens=16)
@@ -44,13 +55,9 @@ def test_a_bundle_whose_masks_are_wrong_is_caught(tiny_artifact, tmp_path, monke
 
 def test_sliding_window_layers_gemma3(tmp_path):
     """Gemma 3's sliding layers (window 8) over 30+ tokens: the position processor's sliding mask."""
-    from tests.tiny import save_tiny, write_recipe
-    from toolchain.compile.pipeline import compile_recipe
+    from tests.tiny import save_tiny
 
-    recipe = write_recipe(tmp_path / "g.yaml", save_tiny(tmp_path / "hf", "gemma3"), name="g",
-                          graphs="  decode: {width: 1, context: 48}\n  prefill: {width: 4, context: 48}\n")
-    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
-    artifact = compile_recipe(recipe).out_dir
+    artifact = _compiled(tmp_path, save_tiny(tmp_path / "hf", "gemma3"), "g", context=48)
     summary = write_bundle(artifact, tmp_path / "b")
     prompts = [list(range(30, 43)), [7, 8]]
     check = verify_bundle(summary.folder, prompts, tokens=24)
@@ -159,16 +166,10 @@ def test_qnn_bundle_wraps_every_binary_with_its_graphs_io(tiny_source, tmp_path)
     """--target qnn: each step-graph stage is the artifact's EPContext model over its HTP binary,
     with exactly the CPU graph's inputs and outputs (onnxruntime-genai's Python wheel has no QNN
     EP, so this structure is what can be proven here)."""
-    from tests.tiny import write_recipe
     from toolchain.artifact.manifest import Manifest
-    from toolchain.compile.pipeline import compile_recipe
 
-    recipe = write_recipe(tmp_path / "q.yaml", tiny_source, name="q",
-                          graphs="  decode: {width: 1, context: 32}\n  prefill: {width: 4, context: 32}\n",
-                          extra="passes: [scale_rmsnorm, split_lm_head]\n"
-                                "qnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n")
-    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
-    artifact = compile_recipe(recipe).out_dir
+    artifact = _compiled(tmp_path, tiny_source, "q", "passes: [scale_rmsnorm, split_lm_head]\n"
+                                                     "qnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n")
     folder = write_bundle(artifact, tmp_path / "b", target="qnn").folder
     rows = check_structure(folder)
     assert all(not r.problem for r in rows), [r.problem for r in rows if r.problem]
@@ -185,16 +186,9 @@ def test_qnn_bundle_wraps_every_binary_with_its_graphs_io(tiny_source, tmp_path)
 def test_quantized_artifact_bundles_beside_its_float_artifact(tiny_source, tmp_path):
     """A W4A16 artifact's QDQ graphs (int8 KV cache encodings inside) in onnxruntime-genai: the
     same tokens as mobc running the quantized artifact."""
-    from tests.tiny import write_recipe
-    from toolchain.compile.pipeline import compile_recipe
-
     quant = ("quantize:\n  weights: int4\n  activations: int16\n  kv_cache: int8\n"
              "  calibration: {samples: 2}\n  eval_tokens: 0\n")
-    recipe = write_recipe(tmp_path / "w.yaml", tiny_source, name="w",
-                          graphs="  decode: {width: 1, context: 32}\n  prefill: {width: 4, context: 32}\n",
-                          extra=quant)
-    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
-    quantized = compile_recipe(recipe).out_dir / "quantized"
+    quantized = _compiled(tmp_path, tiny_source, "w", quant) / "quantized"
     summary = write_bundle(quantized)
     assert summary.folder == quantized.parent.parent / "w-quantized-genai"
     import onnx
@@ -209,13 +203,8 @@ def test_quantized_artifact_bundles_beside_its_float_artifact(tiny_source, tmp_p
 def test_qnn_bundle_runs_in_onnxruntime_genai_on_the_htp(tmp_path, tiny_source):
     """onnxruntime-genai drives the EPContext stages through onnxruntime-qnn's plugin EP (the HTP
     emulator here): the fp16 binaries reproduce the float CPU tokens on the tiny model."""
-    from tests.tiny import write_recipe
-    from toolchain.compile.pipeline import compile_recipe
-
-    recipe = write_recipe(tmp_path / "q.yaml", tiny_source, name="q",
-                          graphs="  decode: {width: 1, context: 32}\n  prefill: {width: 4, context: 32}\n",
-                          extra="passes: [scale_rmsnorm]\nqnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n")
-    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
-    folder = write_bundle(compile_recipe(recipe).out_dir, tmp_path / "b", target="qnn").folder
+    artifact = _compiled(tmp_path, tiny_source, "q", "passes: [scale_rmsnorm]\n"
+                                                     "qnn: {soc_model: 57, htp_arch: 75, max_abs: 0.05}\n")
+    folder = write_bundle(artifact, tmp_path / "b", target="qnn").folder
     check = verify_bundle(folder, PROMPTS, tokens=8)
     assert check.summary()["agreement"] >= 0.75, [(r.genai.tokens, r.mobc.tokens) for r in check.results]
