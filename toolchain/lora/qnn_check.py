@@ -73,32 +73,33 @@ class TeeModel(StepModel):
         depths: Sequence[int] | None = None,
         family: str | None = None,
         past_allowed: np.ndarray | None = None,
+        first_row: int = 0,
     ) -> np.ndarray:
         family = family or self.family_for(len(tokens))
-        logits = super().forward(tokens, allowed_new, depths, family, past_allowed)
+        logits = super().forward(tokens, allowed_new, depths, family, past_allowed, first_row)
         cpu = self._last[1] if self._last else {}
         feeds = self.cache.step_inputs(
-            tokens, self.widths[family], allowed_new, depths, past_allowed=past_allowed
+            tokens, self.widths[family], allowed_new, depths, past_allowed=past_allowed, first_row=first_row
         )
         feeds.update(self.extra_inputs(family))
         t = time.perf_counter()
         htp = self.htp.run_family(family, feeds)
         seconds = time.perf_counter() - t
-        k = len(tokens)
-        got = np.asarray(htp["logits"][0, :k], np.float64)
+        rows = slice(first_row, first_row + len(tokens))
+        got = np.asarray(htp["logits"][0, rows], np.float64)
         kv = 0.0
         for name, ref in cpu.items():  # new K rows are [..., D, N], new V rows [..., N, D]
             if name.startswith("new_key"):
-                kv = max(kv, float(np.abs(htp[name][..., :k] - ref[..., :k]).max()))
+                kv = max(kv, float(np.abs(htp[name][..., rows] - ref[..., rows]).max()))
             elif name.startswith("new_value"):
-                kv = max(kv, float(np.abs(htp[name][..., :k, :] - ref[..., :k, :]).max()))
+                kv = max(kv, float(np.abs(htp[name][..., rows, :] - ref[..., rows, :]).max()))
         finite = bool(np.isfinite(got).all())
         self.cpu_last.append(logits[-1])
         self.log.append(
             {
                 "label": self.label,
                 "family": family,
-                "rows": k,
+                "rows": len(tokens),
                 "logits_max_abs": float(np.abs(got - logits).max()) if finite else float("inf"),
                 "kv_max_abs": kv,
                 "argmax_agree": int((got.argmax(-1) == logits.argmax(-1)).sum()),

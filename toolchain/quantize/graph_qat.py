@@ -110,7 +110,7 @@ class QdqTorch(nn.Module):
 
     SUPPORTED = {"QuantizeLinear", "DequantizeLinear", "MatMul", "Add", "Mul", "Sub", "Div", "Neg", "Sigmoid",
                  "Softmax", "Reshape", "Transpose", "Slice", "Concat", "Gather", "Unsqueeze", "Squeeze",
-                 "SimplifiedLayerNormalization", "Identity"}
+                 "SimplifiedLayerNormalization", "ReduceSum", "Identity"}
 
     def __init__(self, model: onnx.ModelProto, fixed_tensors: Iterable[str] = ()):
         super().__init__()
@@ -203,6 +203,8 @@ class QdqTorch(nn.Module):
                 y = torch.sigmoid(x[0])
             elif op == "Softmax":
                 y = torch.softmax(x[0], dim=a.get("axis", -1))
+            elif op == "ReduceSum":  # exact_mask.py's renormalisation
+                y = x[0].sum(dim=tuple(int(v) for v in x[1].tolist()), keepdim=bool(a.get("keepdims", 1)))
             elif op == "Reshape":
                 shape = [int(v) for v in x[1].tolist()]
                 shape = [x[0].shape[i] if v == 0 and not a.get("allowzero", 0) else v for i, v in enumerate(shape)]

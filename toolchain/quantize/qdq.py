@@ -32,6 +32,7 @@ from onnxruntime.quantization.calibrate import TensorsData, save_tensors_data
 from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
 from toolchain.errors import QuantizeError
+from toolchain.quantize.exact_mask import exact_attention_masks
 from toolchain.quantize.fuse import fuse_rmsnorm
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.source_grid import split_grid_weights, write_exact_codes
@@ -210,23 +211,25 @@ class _ListReader(CalibrationDataReader):
         return next(self.feeds, None)
 
 
-def prepare_grid(src: Path, dst: Path, spec: QuantizeSpec) -> dict[str, Any]:
-    """Writes `src` with its source-grid weights split (source_grid.py) to `dst` for calibration and
-    quantization; returns the fitted weights ({} and nothing written when no weight fits)."""
+def prepare_graph(src: Path, dst: Path, spec: QuantizeSpec) -> tuple[bool, dict[str, Any]]:
+    """Writes `src` rewritten for calibration and quantization to `dst`: masked Softmaxes made exact
+    (exact_mask.py) and, with `source_grid`, source-grid weights split (source_grid.py). Returns
+    (whether `dst` was written, the fitted weights); nothing is written when nothing changed."""
     model = onnx.load(src)
     fold_weight_transposes(model)
-    fitted = split_grid_weights(model, grid_plans(model, spec))
-    if fitted:
+    masked = exact_attention_masks(model)
+    fitted = split_grid_weights(model, grid_plans(model, spec)) if spec.source_grid else {}
+    if masked or fitted:
         onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True,
                         location=dst.name + ".data")
-    return fitted
+    return bool(masked or fitted), fitted
 
 
 def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData,
                    kv_params: dict[str, tuple[float, int]], fitted: dict[str, Any] | None = None) -> dict[str, Any]:
     """Float graph file -> QDQ graph file (external data beside it). Returns the weight schemes.
 
-    fitted: source-grid weights of a `src` written by prepare_grid."""
+    fitted: source-grid weights of a `src` written by prepare_graph."""
     model = onnx.load(src)
     folded = fold_weight_transposes(model)
     fused = fuse_rmsnorm(model)

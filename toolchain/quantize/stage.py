@@ -30,9 +30,10 @@ from toolchain.quantize.calibrate import (
     filler_family,
     tensor_range,
 )
+from toolchain.quantize.exact_mask import EXACT_MASK_VERSION
 from toolchain.quantize.encodings import scheme_summary, write_encodings
 from toolchain.quantize.ppl import QUANT_DIR
-from toolchain.quantize.qdq import KV_PATTERN, prepare_grid, quantize_graph, uint_params
+from toolchain.quantize.qdq import KV_PATTERN, prepare_graph, quantize_graph, uint_params
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.runtime.sessions import PART_BUDGET_BYTES, ArtifactSessions
 
@@ -55,25 +56,26 @@ def tie_kv(ranges: dict[str, Any], spec: QuantizeSpec) -> tuple[dict[str, tuple[
     return params, record
 
 
-def prepare_grids(folder: Path, sessions: ArtifactSessions, spec: QuantizeSpec,
-                  work: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """Per graph: the float graph with its source-grid weights split, and those weights' exact codes."""
+def prepare_graphs(folder: Path, sessions: ArtifactSessions, spec: QuantizeSpec,
+                   work: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Per graph that the quantizer rewrites first (qdq.prepare_graph: exact masks, source grid):
+    the rewritten float graph and its source-grid weights' exact codes."""
     out = {}
     for name, st in sessions.stages.items():
-        path = work / f"{name}.grid.onnx"
-        fitted = prepare_grid(folder / st.file, path, spec)
-        if fitted:
+        path = work / f"{name}.prepared.onnx"
+        written, fitted = prepare_graph(folder / st.file, path, spec)
+        if written:
             out[name] = (path, fitted)
     return out
 
 
-def grid_variant(grid: dict[str, tuple[Path, dict[str, Any]]]) -> str:
-    """Cache-key name of the rewrite calibrated: which weights were split, and with an offset branch
-    (another recipe may split other weights, e.g. an lm_head kept per channel)."""
-    if not grid:
+def prepared_variant(prepared: dict[str, tuple[Path, dict[str, Any]]]) -> str:
+    """Cache-key name of the rewrite calibrated: exact masks (version), which weights were split and
+    with an offset branch (another recipe may split other weights, e.g. an lm_head kept per channel)."""
+    if not prepared:
         return ""
-    split = sorted((g, w, gw.offset is not None) for g, (_, fitted) in grid.items() for w, gw in fitted.items())
-    return "source_grid:" + hashlib.sha256(json.dumps(split).encode()).hexdigest()[:16]
+    split = sorted((g, w, gw.offset is not None) for g, (_, fitted) in prepared.items() for w, gw in fitted.items())
+    return f"exact_mask:{EXACT_MASK_VERSION},source_grid:" + hashlib.sha256(json.dumps(split).encode()).hexdigest()[:16]
 
 
 def share_ranges(folder: Path, sessions: ArtifactSessions, ranges: dict[str, Any]) -> int:
@@ -147,15 +149,16 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
         work = Path(tmp)
         ranges: dict[str, Any] = {}
         t = time.perf_counter()
-        grid = prepare_grids(folder, sessions, spec, work) if spec.source_grid else {}
-        if grid:
-            timings["source_grid"] = round(time.perf_counter() - t, 2)
-            log(f"source grid kept exact for {sum(len(f) for _, f in grid.values())} weights")
+        prepared = prepare_graphs(folder, sessions, spec, work)
+        if prepared:
+            timings["prepare"] = round(time.perf_counter() - t, 2)
+            if n_fitted := sum(len(f) for _, f in prepared.values()):
+                log(f"source grid kept exact for {n_fitted} weights")
             t = time.perf_counter()
-        graphs_for = {name: path for name, (path, _) in grid.items()}
+        graphs_for = {name: path for name, (path, _) in prepared.items()}
         for fam in sessions.families():
             ranges.update(calibrate_family(sessions, fam, tokens, spec.calibration.samples,
-                                           spec.calibration.seed, work, graphs_for, grid_variant(grid)))
+                                           spec.calibration.seed, work, graphs_for, prepared_variant(prepared)))
             log(f"calibrated {fam}")
         timings["calibration"] = round(time.perf_counter() - t, 2)
         shared = share_ranges(folder, sessions, ranges)
@@ -164,7 +167,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
         graphs = GraphSet()
         schemes: dict[str, Any] = {}
         for name, st in sessions.stages.items():
-            src, fitted = grid.get(name, (folder / st.file, None))
+            src, fitted = prepared.get(name, (folder / st.file, None))
             schemes[name] = quantize_graph(src, work / f"{name}.onnx", spec, ranges[name], kv_params, fitted)
         timings["qdq"] = round(time.perf_counter() - t, 2)
         if spec.method == "qat":

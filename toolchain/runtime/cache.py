@@ -115,21 +115,25 @@ class KVCache:
 
     def _new_token_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None,
                           depths: Sequence[int] | None, pad_token: int,
-                          past_allowed: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                          past_allowed: np.ndarray | None = None, first_row: int = 0) -> dict[str, np.ndarray]:
         """input_ids, masks and RoPE inputs of a call (everything but the past)."""
         k = len(tokens)
-        if k > width:
-            raise ValueError(f"{k} tokens do not fit a width-{width} graph")
+        if not 0 <= first_row <= width - k:
+            raise ValueError(f"{k} tokens from row {first_row} do not fit a width-{width} graph")
+        if past_allowed is not None and first_row:
+            raise ValueError("past_allowed describes rows from 0: use first_row=0 with it")
         if allowed_new is None:
             allowed_new = np.tril(np.ones((k, k), dtype=bool))
         if depths is None:
             depths = range(k)
+        rows = slice(first_row, first_row + k)
         full = np.eye(width, dtype=bool)  # padding rows see only themselves (and the past)
-        full[:k, :k] = allowed_new
-        positions = np.concatenate([self.positions(depths), self.length + np.arange(k, width)])
-        positions = np.minimum(positions, self.context - 1)
+        full[rows, rows] = allowed_new
+        positions = self.length + np.arange(width) - first_row  # padding rows: any valid position
+        positions[rows] = self.positions(depths)
+        positions = np.clip(positions, 0, self.context - 1)
         ids = np.full((1, width), pad_token, dtype=np.int32)
-        ids[0, :k] = tokens
+        ids[0, rows] = tokens
         feeds = {"input_ids": ids}
         feeds.update(self.masks(width, full, positions, past_allowed))
         feeds.update(self.rope_inputs(positions))
@@ -137,13 +141,14 @@ class KVCache:
 
     def step_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
                     depths: Sequence[int] | None = None, pad_token: int = 0,
-                    past_allowed: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                    past_allowed: np.ndarray | None = None, first_row: int = 0) -> dict[str, np.ndarray]:
         """All inputs of a width-N call for len(tokens) <= N new tokens (the rest is padding), as new arrays.
 
-        Default structure is causal over the real tokens; padding rows see only themselves.
+        Default structure is causal over the real tokens; padding rows see only themselves. The
+        tokens occupy rows [first_row, first_row + len(tokens)).
         """
         self._check_room(width)
-        feeds = self._new_token_inputs(tokens, width, allowed_new, depths, pad_token, past_allowed)
+        feeds = self._new_token_inputs(tokens, width, allowed_new, depths, pad_token, past_allowed, first_row)
         feeds.update(self.past(width))
         return feeds
 
@@ -158,11 +163,11 @@ class KVCache:
 
     def fill(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
              depths: Sequence[int] | None = None, pad_token: int = 0,
-             past_allowed: np.ndarray | None = None) -> dict[str, np.ndarray]:
+             past_allowed: np.ndarray | None = None, first_row: int = 0) -> dict[str, np.ndarray]:
         """Writes a call's new-token inputs into `buffers(width)` in place and returns them."""
         self._check_room(width)
         bufs = self.buffers(width)
-        new = self._new_token_inputs(tokens, width, allowed_new, depths, pad_token, past_allowed)
+        new = self._new_token_inputs(tokens, width, allowed_new, depths, pad_token, past_allowed, first_row)
         for name, arr in new.items():
             bufs[name][...] = arr
         return bufs

@@ -58,7 +58,7 @@ class StepModel:
         self.cache = KVCache(self.sessions.layout(self.decode_family), self.sessions.rope)
         self.io_binding = io_binding
         self._bound: dict[str, BoundFamily] = {}
-        self._last: tuple[str, dict[str, np.ndarray]] | None = None
+        self._last: tuple[str, dict[str, np.ndarray], int] | None = None  # family, outputs, first row
         self._extra: dict[str, dict[str, np.ndarray]] = {}
         self.eos_ids: list[int] = list(self.manifest.model.eos_token_ids)
         self.vocab: int = self.manifest.model.vocab
@@ -118,11 +118,12 @@ class StepModel:
     # ---- calls --------------------------------------------------------------------------------
     def forward(self, tokens: Sequence[int], allowed_new: np.ndarray | None = None,
                 depths: Sequence[int] | None = None, family: str | None = None,
-                past_allowed: np.ndarray | None = None) -> np.ndarray:
+                past_allowed: np.ndarray | None = None, first_row: int = 0) -> np.ndarray:
         """One call with the new tokens (causal by default); returns their logits [k, V] (a copy).
 
         Nothing is committed: call `commit` with the indices of the tokens to keep.
         past_allowed [k, length] limits which committed slots each token sees (default: all).
+        first_row: the graph row of the first token (the rows before it are padding).
         """
         family = family or self.family_for(len(tokens))
         width = self.widths[family]
@@ -130,12 +131,14 @@ class StepModel:
         t = time.perf_counter()
         try:
             if self.io_binding:
-                feeds = self.cache.fill(tokens, width, allowed_new, depths, past_allowed=past_allowed)
+                feeds = self.cache.fill(tokens, width, allowed_new, depths, past_allowed=past_allowed,
+                                        first_row=first_row)
                 if family not in self._bound:
                     self._bound[family] = self.sessions.bind(family, {**feeds, **extra})
                 outs = self._bound[family].run()
             else:
-                feeds = self.cache.step_inputs(tokens, width, allowed_new, depths, past_allowed=past_allowed)
+                feeds = self.cache.step_inputs(tokens, width, allowed_new, depths, past_allowed=past_allowed,
+                                               first_row=first_row)
                 feeds.update(extra)
                 outs = self.sessions.run_family(family, feeds)
         finally:
@@ -143,30 +146,36 @@ class StepModel:
                 self._integrity.pop().wait()
         self.seconds[family] += time.perf_counter() - t
         self.calls[family] += 1
-        self._last = (family, outs)
-        return np.array(outs["logits"][0, : len(tokens)], dtype=np.float32)
+        self._last = (family, outs, first_row)
+        return np.array(outs["logits"][0, first_row : first_row + len(tokens)], dtype=np.float32)
 
     def commit(self, accepted: Sequence[int]) -> None:
         """Keep the rows of the last call's tokens at these indices (in order)."""
         if self._last is None:
             raise RuntimeError("commit without a preceding forward call")
-        self.cache.commit(self._last[1], accepted)
+        _, outs, first_row = self._last
+        self.cache.commit(outs, [first_row + i for i in accepted])
 
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
 
     def feed(self, tokens: Sequence[int]) -> np.ndarray:
-        """Runs and commits tokens causally in as few calls as possible; returns the last logits [V]."""
-        logits = None
-        widest = max(self.widths.values())
-        start = 0
-        while start < len(tokens):
-            chunk = list(tokens[start : start + widest])
-            logits = self.forward(chunk)
-            self.commit(range(len(chunk)))
-            start += len(chunk)
-        if logits is None:
+        """Runs and commits tokens causally in as few calls as possible; returns the last logits [V].
+
+        Laid out as onnxruntime-genai lays out a prompt: windows of the widest graph, the first one
+        holding the remainder in its last rows (left padding). A quantized graph's rounding depends
+        on the order its attention sums run in, so the same layout is what makes a genai bundle of
+        it generate mobc's tokens (toolchain/bundle)."""
+        if not tokens:
             raise ValueError("feed needs at least one token")
+        widest = max(self.widths.values())
+        first = len(tokens) % widest or widest
+        logits = None
+        for start in [0, *range(first, len(tokens), widest)]:
+            chunk = list(tokens[start : (start + widest if start else first)])
+            width = self.widths[self.family_for(len(chunk))]
+            logits = self.forward(chunk, first_row=width - len(chunk))
+            self.commit(range(len(chunk)))
         return logits[-1]
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
