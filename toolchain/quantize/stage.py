@@ -30,8 +30,8 @@ from toolchain.quantize.calibrate import (
     filler_family,
     tensor_range,
 )
-from toolchain.quantize.exact_mask import EXACT_MASK_VERSION
 from toolchain.quantize.encodings import scheme_summary, write_encodings
+from toolchain.quantize.exact_mask import EXACT_MASK_VERSION
 from toolchain.quantize.ppl import QUANT_DIR
 from toolchain.quantize.qdq import KV_PATTERN, prepare_graph, quantize_graph, uint_params
 from toolchain.quantize.schema import QuantizeSpec

@@ -91,7 +91,7 @@ def leaks(folder: Path) -> tuple[float, float]:
     fresh = m.forward([ids[-1]])
     rng = np.random.default_rng(1)
     n = m.length
-    for keys, values in zip(m.cache.keys, m.cache.values):
+    for keys, values in zip(m.cache.keys, m.cache.values, strict=True):
         keys[..., n:] = rng.normal(0, 3 * np.abs(keys[..., :n]).max(), keys[..., n:].shape)
         values[:, :, n:] = rng.normal(0, 3 * np.abs(values[:, :, :n]).max(), values[:, :, n:].shape)
     stale = m.forward([ids[-1]])

@@ -34,7 +34,7 @@ def test_feed_computes_what_token_by_token_decoding_computes(tiny_artifact):
         ref = steps.forward([tok], family="decode")
         steps.commit([0])
     np.testing.assert_allclose(last, ref[0], atol=1e-4)
-    for mine, theirs in zip(windows.cache.keys + windows.cache.values, steps.cache.keys + steps.cache.values):
+    for mine, theirs in zip(windows.cache.keys + windows.cache.values, steps.cache.keys + steps.cache.values, strict=True):
         np.testing.assert_allclose(mine, theirs, atol=1e-5)
 
 
