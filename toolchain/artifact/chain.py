@@ -18,7 +18,10 @@ import numpy as np
 # Inputs that passes add for the runtime to bind per request (LoRA adapters, forecast
 # embeddings). All zeros is their neutral value (the base model), so a caller that does not
 # know them, e.g. verification, may leave them out.
-OPTIONAL_INPUT_PREFIXES = ("lora_", "forecast_")
+OPTIONAL_INPUT_PREFIXES = ("lora_", "forecast_", "features")
+# family outputs kept even when a later stage consumes them: the residual entering the lm_head is the
+# feature a draft head reads (toolchain/runtime/head_draft.py)
+KEPT_OUTPUTS = ("hidden",)
 
 
 class Stage(Protocol):
@@ -62,7 +65,7 @@ RunFn = Callable[[S, dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
 def run_chain(stages: Sequence[S], feeds: dict[str, np.ndarray], run: RunFn) -> dict[str, np.ndarray]:
-    """Runs a family's stages in order; returns every output no later stage consumed."""
+    """Runs a family's stages in order; returns every output no later stage consumed (and KEPT_OUTPUTS)."""
     env = dict(feeds)
     produced: dict[str, np.ndarray] = {}
     for stage in stages:
@@ -74,7 +77,8 @@ def run_chain(stages: Sequence[S], feeds: dict[str, np.ndarray], run: RunFn) -> 
             raise KeyError(f"graph {stage.name} needs inputs {missing} that nothing provides")
         outs = run(stage, {n: env[n] for n in stage.input_names})
         for name in stage.input_names:
-            produced.pop(name, None)  # consumed by this stage
+            if name not in KEPT_OUTPUTS:
+                produced.pop(name, None)  # consumed by this stage
         env.update(outs)
         produced.update(outs)
     return produced

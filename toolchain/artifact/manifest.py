@@ -146,6 +146,7 @@ class ModelInfo:
     tie_word_embeddings: bool = False
     has_chat_template: bool = False
     diffusion: dict[str, Any] | None = None  # masked-diffusion form (toolchain/diffusion/form.py)
+    draft_head: dict[str, Any] | None = None  # a feature-level draft head (toolchain/compile/head.py)
 
     def layout(self, width: int, context: int) -> StepLayout:
         shape = {f: getattr(self, f) for f in LAYOUT_FIELDS}

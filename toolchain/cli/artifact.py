@@ -53,6 +53,14 @@ def compile_cmd(
     finally:
         reporter.stop()
     v = result.manifest.verification or {"families": {}}
+    if "head" in v:
+        h = v["head"]
+        console.print(
+            f"[bold green]compiled[/] draft head {result.manifest.name} -> [bold]{escape(str(result.out_dir))}[/] in "
+            f"{time.perf_counter() - t:.0f} s; {h['rows']} decoded rows vs its torch module: max |logits diff| "
+            f"{h['max_abs_logits']:.2e}, max relative |hidden diff| {h['max_rel_hidden']:.2e}, "
+            f"argmax identical on {h['argmax_identical']}/{h['rows']}")
+        return
     worst = max((f["worst_max_abs"] for f in v["families"].values()), default=0.0)
     console.print(
         f"[bold green]compiled[/] {result.manifest.name} -> [bold]{escape(str(result.out_dir))}[/] in "

@@ -51,6 +51,10 @@ def load_models(artifact: Path, draft: Path | None, provider: str, threads: int 
     opts = ep_options(ep)
     target = StepModel(artifact, provider, threads, opts)
     drafter = StepModel(draft, provider, threads, opts) if draft else None
+    if drafter is not None and drafter.manifest.model.draft_head is not None:
+        from toolchain.runtime.head_draft import HeadDraft
+
+        drafter = HeadDraft(drafter, target)  # reads the target's features as it commits
     return target, drafter
 
 

@@ -19,7 +19,8 @@ def train_draft(
     recipe: Path = typer.Argument(..., help="the target's recipe, e.g. recipes/smollm2-135m.yaml"),
     out: Path = typer.Option(..., "--out", help="folder for the draft (Hugging Face save_pretrained layout)"),
     layers: str = typer.Option("6", "--layers", help="k (first k-1 layers + last) or indices like 0-4,29"),
-    minutes: float = typer.Option(4.0, "--minutes", help="wall-clock budget of the distillation loop"),
+    minutes: float | None = typer.Option(None, "--minutes", help="wall-clock budget of the distillation loop "
+                                         "(default 4; --kind head: of the whole command, default 20)"),
     seq_len: int = typer.Option(256, "--seq-len"),
     batch: int = typer.Option(4, "--batch"),
     lr: float = typer.Option(2e-4, "--lr"),
@@ -30,13 +31,23 @@ def train_draft(
     init: Path | None = typer.Option(None, "--init", help="continue distilling a draft this command saved "
                                                            "(--layers is then taken from it)"),
     recipe_out: Path | None = typer.Option(None, "--recipe-out", help="also write a recipe compiling the draft"),
+    kind: str = typer.Option("layers", "--kind", help="layers: the target's first layers + a lens (an HF model); "
+                             "head: a feature-level draft head (EAGLE-style, one layer over the target's features)"),
+    seed: int = typer.Option(0, "--seed", help="head: the seed the shipped head was trained with"),
 ) -> None:
-    """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source."""
+    """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
+    or (--kind head) train a draft head that reads the target's features."""
     from toolchain.compile.recipe import load_recipe
+
+    if kind == "head":
+        _train_head(recipe, out, minutes, seed)
+        return
+    if kind != "layers":
+        raise MobcError(f"--kind {kind!r}: choose layers or head")
     from toolchain.train.draft import DistillConfig
     from toolchain.train.draft import train_draft as run_train
 
-    cfg = DistillConfig(seconds=minutes * 60, seq_len=seq_len, batch=batch, lr=lr, corpus_tokens=corpus_tokens,
+    cfg = DistillConfig(seconds=(minutes or 4.0) * 60, seq_len=seq_len, batch=batch, lr=lr, corpus_tokens=corpus_tokens,
                         generated_windows=generated, init=str(init) if init else None)
     report = run_train(recipe, out, layers, cfg, log=log)
     console.print(f"[bold green]draft[/] {out}: {report['params'] / 1e6:.1f}M params, layers {report['config']['layers']}, "
@@ -53,6 +64,19 @@ def train_draft(
             f"name: {target.name}-draft\nsource: {{path: {rel}}}\ngraphs:\n{graphs}\n"
             f"tolerance: {{max_abs: {target.tolerance.max_abs:g}}}\nverify: {{greedy_tokens: 16}}\n")
         console.print(f"wrote {recipe_out}; compile it with mobc compile {recipe_out}")
+
+
+def _train_head(recipe: Path, out: Path, minutes: float | None, seed: int) -> None:
+    from toolchain.train.head import HEAD_FILE, HeadConfig, train_head
+
+    cfg = HeadConfig(seed=seed) if minutes is None else HeadConfig(seed=seed, minutes=minutes)
+    report = train_head(recipe, out, cfg, log=log)
+    held = report["held_out"]
+    console.print(f"[bold green]draft head[/] {out / HEAD_FILE}: {report['params_trained'] / 1e6:.1f}M trained params, "
+                  f"draft vocabulary {report['draft_vocab']} (covers {report['vocab_coverage_held_out']:.3f} of the "
+                  f"target's held-out tokens); held-out chain gamma={cfg.gamma}: {held['tokens_per_call']:.2f} tokens "
+                  f"per target call, acceptance by depth {[round(a, 3) for a in held['accept_at_depth']]} "
+                  f"({report['steps']} steps, {report['seconds']:.0f} s)")
 
 
 @app.command("predictor")

@@ -209,7 +209,8 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
     claim_output(out_dir, force)
 
     with timer.stage("load model", recipe.source.describe()):
-        loaded = load(recipe.source, base=recipe_path.parent, stream=True)
+        # a head recipe reads the target's embeddings and runs it for the reference: load it whole
+        loaded = load(recipe.source, base=recipe_path.parent, stream=recipe.head is None)
     check_against_model(recipe, getattr(loaded.config, "max_position_embeddings", None))
     # tensors the export and the passes create live in a scratch folder beside the output (same
     # disk as the artifact), never all in memory; it goes away with the compile (and, named with
@@ -226,6 +227,10 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
 
 def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, loaded: LoadedModel,
              timer: StageTimer, spill: disk.Spill) -> CompileResult:
+    if recipe.head is not None:
+        from toolchain.compile.head_pipeline import compile_head
+
+        return compile_head(recipe, recipe_path, out_dir, force, loaded, timer)
     graphs, layouts = export_graphs(recipe, loaded, timer, spill)
     any_layout = next(iter(layouts.values()))
     rope = rope_tables(loaded.model, any_layout, max(s.context for s in recipe.graphs.values()))

@@ -71,6 +71,13 @@ class GraphSpec(_Strict):
         return self
 
 
+class HeadSpec(_Strict):
+    """A feature-level draft head trained for the recipe's source model (toolchain/compile/head.py)."""
+
+    weights: str = Field(description="the head's .safetensors (`mobc train draft --kind head`), relative to the recipe")
+    made_by: str | None = Field(None, description="the command and seed that re-create the weights")
+
+
 class Tolerance(_Strict):
     max_abs: Annotated[float, Field(gt=0, description="max |diff| of logits vs the reference")] = 1e-3
 
@@ -90,6 +97,7 @@ class Recipe(_Strict):
     qnn: QnnSpec | None = Field(None, description="build and verify QNN HTP context binaries (toolchain/qnn)")
     quantize: QuantizeSpec | None = Field(None, description="PTQ/QAT to QDQ graphs (toolchain/quantize)")
     output: str | None = Field(None, description="artifact folder (default exported/<name>)")
+    head: HeadSpec | None = Field(None, description="compile the draft head trained for `source`, not the model")
 
     @field_validator("graphs")
     @classmethod

@@ -65,6 +65,8 @@ class StepModel:
         self.calls: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()
         self._tokenizer: Any = None
+        # called as listener(outputs, rows, first_slot) after each commit (a draft head collects features)
+        self.commit_listeners: list[Any] = []
 
     # ---- bookkeeping --------------------------------------------------------------------------
     @property
@@ -154,7 +156,11 @@ class StepModel:
         if self._last is None:
             raise RuntimeError("commit without a preceding forward call")
         _, outs, first_row = self._last
-        self.cache.commit(outs, [first_row + i for i in accepted])
+        rows = [first_row + i for i in accepted]
+        slot = self.cache.length
+        self.cache.commit(outs, rows)
+        for listener in self.commit_listeners:
+            listener(outs, rows, slot)
 
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from toolchain.artifact.chain import run_chain
+from toolchain.artifact.chain import KEPT_OUTPUTS, run_chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
 from toolchain.runtime.shared_weights import SharedWeights
@@ -146,8 +146,8 @@ class BoundFamily:
                 self.outputs[out.name] = arr
                 binding.bind_ortvalue_output(out.name, ort.OrtValue.ortvalue_from_numpy(arr))
             self._runs.append((sess, binding))
-        # like run_chain: the family's outputs are those no later stage consumed
-        self.outputs = {k: v for k, v in self.outputs.items() if k not in consumed}
+        # like run_chain: the family's outputs are those no later stage consumed (and KEPT_OUTPUTS)
+        self.outputs = {k: v for k, v in self.outputs.items() if k not in consumed or k in KEPT_OUTPUTS}
 
     def run(self) -> dict[str, np.ndarray]:
         for sess, binding in self._runs:

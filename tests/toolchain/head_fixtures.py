@@ -1,0 +1,53 @@
+"""A tiny target with split_lm_head (it exposes `hidden`) and a compiled draft head for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.tiny import save_tiny, write_recipe
+
+TARGET_GRAPHS = "  decode: {width: 1, context: 64}\n  prefill: {width: 8, context: 64}\n"
+HEAD_GRAPHS = "  decode: {width: 1, context: 64}\n  prefill: {width: 8, context: 64}\n"
+
+
+def head_weights(hf_dir: Path, out: Path, seed: int = 0) -> Path:
+    """An untrained head (the target's last layer, random fc) over half the vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.train.head_model import DraftHead, save_head
+
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    head = DraftHead(target, torch.arange(0, target.config.vocab_size, 2), init_layer=-1)
+    with torch.no_grad():
+        head.fc.weight.normal_(0, 0.05)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_head(head, out)
+    return out
+
+
+def compile_target(root: Path, hf_dir: Path, passes: str = "passes: [split_lm_head]\n") -> Path:
+    from toolchain.compile.pipeline import compile_recipe
+
+    recipe = write_recipe(root / "target.yaml", hf_dir, name="target", graphs=TARGET_GRAPHS, extra=passes)
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    return compile_recipe(recipe).out_dir
+
+
+def head_recipe(root: Path, hf_dir: Path, weights: Path, name: str = "head") -> Path:
+    path = root / f"{name}.yaml"
+    path.write_text(f"name: {name}\nsource: {{path: {hf_dir}}}\nhead: {{weights: {weights}}}\n"
+                    f"graphs:\n{HEAD_GRAPHS}tolerance: {{max_abs: 1.0e-4}}\noutput: {root / 'out' / name}\n")
+    return path
+
+
+def tiny_head_world(root: Path) -> tuple[Path, Path, Path]:
+    """(target HF folder, target artifact, head artifact)."""
+    from toolchain.compile.pipeline import compile_recipe
+
+    hf = save_tiny(root / "hf", "llama")
+    target = compile_target(root, hf)
+    head = compile_recipe(head_recipe(root, hf, head_weights(hf, root / "w" / "head.safetensors"))).out_dir
+    return hf, target, head

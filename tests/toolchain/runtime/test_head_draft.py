@@ -1,0 +1,101 @@
+"""A draft head under the chain policy: AR's tokens, the target's features in every committed head row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.tiny import tiny_tokenizer
+from tests.toolchain.head_fixtures import compile_target, tiny_head_world
+from toolchain.errors import ArtifactError
+from toolchain.runtime.head_draft import HeadDraft
+from toolchain.runtime.model import StepModel
+from toolchain.runtime.policies import make_policy
+from toolchain.runtime.policies.sampling import Sampler
+
+PROMPTS = ["def fibonacci(n):\n    return", "import os\nimport sys\n\n\ndef main("]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return tiny_head_world(tmp_path_factory.mktemp("headrt"))
+
+
+def generate(policy, ids, n=24):
+    return [t for chunk in policy.generate(ids, n, Sampler()) for t in chunk]
+
+
+def test_chain_with_a_head_generates_ars_tokens_and_keeps_target_features(world):
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    ar, chain = make_policy("ar", target), make_policy("chain", target, draft, gamma=3)
+    tok = tiny_tokenizer()
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        want = generate(ar, ids)
+        assert generate(chain, ids) == want, prompt
+        # every head row of a committed token was (re)computed from the target's own features:
+        # the head's cache equals a fresh head run over the committed text
+        n = min(draft.length, target.length)
+        text = draft.tokens[:n]
+        fresh = HeadDraft(StepModel(head_dir), target)
+        fresh.reset()
+        fresh.target_features[:] = draft.target_features  # it joined after the target's commits
+        fresh._run(text, commit=True)
+        for mine, ref in zip(draft.cache.keys + draft.cache.values, fresh.cache.keys + fresh.cache.values,
+                             strict=True):
+            np.testing.assert_allclose(mine[..., :n] if mine.shape[-1] == draft.cache.context else mine[:, :, :n],
+                                       ref[..., :n] if ref.shape[-1] == draft.cache.context else ref[:, :, :n],
+                                       atol=1e-5)
+        assert text == (ids + want)[:n]
+
+
+def test_features_are_the_targets_residual_at_the_previous_position(world):
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    target.prefill(ids)
+    # the target's `hidden` for each prompt position, one decode call at a time
+    ref = StepModel(target_dir)
+    ref.reset()
+    rows = []
+    for t in ids:
+        ref.forward([t], family="decode")
+        rows.append(ref._last[1]["hidden"][0, 0].copy())
+        ref.commit([0])
+    np.testing.assert_allclose(draft.target_features[: len(ids)], np.stack(rows), atol=1e-4)
+    assert np.all(draft._feature(0) == 0)
+    np.testing.assert_array_equal(draft._feature(3), draft.target_features[2])
+
+
+def test_a_target_without_features_is_refused(world, tmp_path):
+    hf, _, head_dir = world
+    plain = compile_target(tmp_path, hf, passes="")
+    with pytest.raises(ArtifactError, match="split_lm_head"):
+        HeadDraft(StepModel(head_dir), StepModel(plain))
+
+
+def test_rows_drafted_on_the_heads_own_features_are_redone_once_the_target_commits_them(world):
+    """A round whose drafts are all accepted: the head's rows of those drafts were computed from its
+    own features; the next call redoes them from the target's, so its cache matches a fresh run."""
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    ids = tiny_tokenizer()(PROMPTS[1]).input_ids
+    pending = int(np.argmax(target.prefill(ids)))
+    draft.prefill(ids)
+    d1 = int(np.argmax(draft.feed([pending])))  # pending's row: the target's feature of the last prompt token
+    d2 = int(np.argmax(draft.feed([d1])))  # d1's row: the head's own feature of pending
+    assert draft.guessed_from == len(ids) + 1
+    target.forward([pending, d1, d2])  # the target accepts both drafts (whatever they are)
+    target.commit([0, 1, 2])
+    draft.feed([d2])
+    assert draft.guessed_from == draft.length  # nothing guessed is left
+    fresh = HeadDraft(StepModel(head_dir), target)
+    fresh.target_features[:] = draft.target_features
+    fresh.reset()
+    fresh._run([*ids, pending, d1, d2], commit=True)
+    for mine, ref in zip(draft.cache.keys, fresh.cache.keys, strict=True):
+        np.testing.assert_allclose(mine[..., : draft.length], ref[..., : draft.length], atol=1e-5)

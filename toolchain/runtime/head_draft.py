@@ -1,0 +1,174 @@
+"""A compiled draft head (toolchain/compile/head.py) as a draft model the speculative policies drive.
+
+It looks like a StepModel to a policy (reset, prefill, feed, forward, commit, truncate, room,
+cache, calls/seconds), but each row also needs a feature: the target's residual before its final
+norm at the previous position. The adapter listens to the target's commits and keeps those
+features by slot; a row whose previous position the target has not committed yet (a draft of a
+draft) takes the head's own `hidden` of that previous row instead.
+
+Rows computed from the head's own features are redone once the target has committed their
+positions: before the next call, the head's cache is rolled back to the first such row and those
+tokens are fed again with the target's features, in one call (EAGLE's way of keeping the draft
+cache on the target's features).
+
+Logits come out over the draft vocabulary; they are scattered into the target's vocabulary (every
+other token at MASK_MIN), so a policy sees the same shape from any draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from toolchain.artifact.layout import MASK_MIN
+from toolchain.artifact.manifest import Manifest
+from toolchain.errors import ArtifactError
+from toolchain.runtime.model import StepModel
+
+FEATURES = "features"
+HIDDEN = "hidden"
+
+
+def is_head(folder: str | Path) -> bool:
+    return Manifest.load(Path(folder)).model.draft_head is not None
+
+
+class HeadDraft:
+    def __init__(self, head: StepModel, target: StepModel):
+        info = head.manifest.model.draft_head
+        if info is None:
+            raise ArtifactError(f"{head.folder} is not a draft head artifact (no model.draft_head in its manifest)")
+        if info["target_vocab"] != target.vocab:
+            raise ArtifactError(f"draft head {head.name} was trained for a vocabulary of {info['target_vocab']} "
+                                f"tokens, target {target.name} has {target.vocab}; train a head for this target")
+        self.head, self.target = head, target
+        self.name = head.name
+        self.vocab = target.vocab
+        self.eos_ids = target.eos_ids
+        self.vocab_ids = np.load(head.folder / info["vocab_file"])
+        c = head.manifest.model.hidden
+        self.target_features = np.zeros((target.context, c), np.float32)
+        self._own: dict[int, np.ndarray] = {}  # slot -> the head's hidden of the row in that slot
+        self.tokens: list[int] = []  # token of each committed head slot
+        self.guessed_from = 0  # first committed slot whose row used one of the head's own features
+        self._pending: list[np.ndarray] = []
+        target.commit_listeners.append(self._on_target_commit)
+        self._check_target()
+
+    def _check_target(self) -> None:
+        fam = self.target.decode_family
+        outs = [o.name for st in self.target.sessions.chain(fam) for o in st.outputs]
+        if HIDDEN not in outs:
+            raise ArtifactError(
+                f"target {self.target.name} does not expose the features a draft head reads (no `{HIDDEN}` "
+                "output): compile it with split_lm_head (e.g. recipes/smollm2-135m.yaml) and run that artifact")
+
+    # ---- features --------------------------------------------------------------------------
+    def _on_target_commit(self, outs: dict[str, np.ndarray], rows: list[int], slot: int) -> None:
+        self.target_features[slot : slot + len(rows)] = outs[HIDDEN][0, rows]
+
+    def _feature(self, slot: int) -> np.ndarray | None:
+        """The feature row `slot` reads: position slot-1's (zeros for slot 0)."""
+        prev = slot - 1
+        if prev < 0:
+            return np.zeros(self.target_features.shape[1], np.float32)
+        if prev < self.target.length:
+            return self.target_features[prev]
+        return self._own.get(prev)
+
+    def _redo_guessed(self) -> None:
+        """Feed again, with the target's features, the rows that used the head's own ones."""
+        top = min(self.head.length, self.target.length + 1)
+        if self.guessed_from >= top:
+            return
+        start, redo = self.guessed_from, self.tokens[self.guessed_from : top]
+        keep_tail = self.tokens[top:]
+        self.truncate(start)
+        self._run(redo, commit=True)
+        if keep_tail:
+            self._run(keep_tail, commit=True)
+
+    # ---- calls ------------------------------------------------------------------------------
+    def _run(self, tokens: Sequence[int], commit: bool) -> np.ndarray:
+        """One head call over `tokens` at the next slots (chunked by the widest graph); returns the
+        logits [k, V'] of its rows."""
+        out = []
+        widest = max(self.head.widths.values())
+        for i in range(0, len(tokens), widest):
+            chunk = list(tokens[i : i + widest])
+            fam = self.head.family_for(len(chunk))
+            feats = self.head.extra_inputs(fam)[FEATURES]
+            feats[...] = 0.0
+            base = self.head.length
+            guessed = False
+            for r in range(len(chunk)):
+                f = self._feature(base + r)
+                if f is None:  # only the first row can lack one: later rows in a call are causal
+                    raise RuntimeError(f"no feature for head slot {base + r}")
+                guessed |= base + r - 1 >= self.target.length
+                feats[0, r] = f
+            logits = self.head.forward(chunk, family=fam)
+            hidden = self.head._last[1][HIDDEN][0]
+            if commit:
+                self.head.commit(range(len(chunk)))
+                for r in range(len(chunk)):
+                    self._own[base + r] = hidden[r].copy()
+                self.tokens.extend(chunk)
+                if guessed:
+                    self.guessed_from = min(self.guessed_from, base)
+                elif self.guessed_from >= base:
+                    self.guessed_from = base + len(chunk)
+            out.append(logits)
+        return np.concatenate(out)
+
+    def _full(self, logits: np.ndarray) -> np.ndarray:
+        full = np.full(self.vocab, MASK_MIN, np.float32)
+        full[self.vocab_ids] = logits
+        return full
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        self.reset(stats=False)
+        return self._full(self._run(ids, commit=True)[-1])
+
+    def feed(self, tokens: Sequence[int]) -> np.ndarray:
+        self._redo_guessed()
+        return self._full(self._run(tokens, commit=True)[-1])
+
+    def reset(self, stats: bool = True) -> None:
+        self.head.reset(stats)
+        self.tokens, self._own, self.guessed_from = [], {}, 0
+
+    def truncate(self, length: int) -> None:
+        self.head.truncate(length)
+        del self.tokens[length:]
+        self._own = {s: h for s, h in self._own.items() if s < length}
+        self.guessed_from = min(self.guessed_from, length)
+
+    def room(self, n: int) -> bool:
+        return self.head.room(n)
+
+    @property
+    def cache(self):
+        return self.head.cache
+
+    @property
+    def length(self) -> int:
+        return self.head.length
+
+    @property
+    def calls(self):
+        return self.head.calls
+
+    @property
+    def seconds(self):
+        return self.head.seconds
+
+    @property
+    def widths(self) -> dict[str, int]:
+        return self.head.widths
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.head.manifest

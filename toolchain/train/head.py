@@ -1,0 +1,180 @@
+"""`mobc train draft --kind head`: train the feature-level draft head (head_model.py) in minutes on a CPU.
+
+Data (real text, nothing downloaded): the Python standard library's own sources (train split),
+plus windows of the target's own greedy continuations of stdlib prompts (on-policy: speculation is
+judged on what the target generates). One teacher pass of the target over every window records
+its final normalized hidden states n_L; everything the loss needs follows from them:
+
+- row t of a window feeds the head (n_L(t-1), token x_t) (row 0: a zero feature) and must give
+  g_t with final_norm(g_t) = n_L(t) (feature regression, smooth L1, as in EAGLE) and the target's
+  next-token distribution softmax(n_L(t) E_v^T) (forward KL over the draft vocabulary);
+- `unroll` > 1 repeats the pass with the head's own previous predictions as the features
+  (test-time-training style), so the head learns to continue from its own drafts.
+
+Held-out acceptance is measured on the target's continuations of held-out prompts: greedy chain
+drafting from every start position, as the runtime's chain policy does it (accepted drafts per
+round at gamma = 4, and per-depth acceptance).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from toolchain.train import corpus
+from toolchain.train.draft import DraftTrainError, _windows, target_continuations, teacher_states
+from toolchain.train.head_model import DraftHead, save_head
+from toolchain.train.loop import timed_adamw_loop
+
+HEAD_FILE = "head.safetensors"
+REPORT_FILE = "head_report.json"
+
+
+@dataclass
+class HeadConfig:
+    minutes: float = 20.0  # wall-clock budget of the whole command
+    draft_vocab: int = 8192
+    seq_len: int = 256
+    batch: int = 4
+    lr: float = 1e-3
+    feature_weight: float = 1.0  # smooth-L1 feature loss beside the KL
+    unroll: int = 2
+    corpus_tokens: int = 262_144  # most stdlib tokens; the teacher pass stops at its time share first
+    generated_windows: int = 64
+    held_out_windows: int = 4
+    prompt_len: int = 64
+    gamma: int = 4
+    seed: int = 0
+
+
+def draft_vocabulary(streams: list[np.ndarray], size: int, vocab: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent tokens of the training streams (ties by id), plus `always` (eos)."""
+    counts = np.zeros(vocab, np.int64)
+    for s in streams:
+        np.add.at(counts, s.reshape(-1), 1)
+    counts[always] = counts.max() + 1
+    order = np.lexsort((np.arange(vocab), -counts))[:size]
+    return torch.from_numpy(np.sort(order))
+
+
+def _shift_features(states: torch.Tensor) -> torch.Tensor:
+    """Row t's input feature: n_L(t-1); row 0 gets zeros."""
+    return torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)
+
+
+def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, unroll: int,
+                feature_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+    positions = torch.arange(windows.shape[1])[None].expand(len(windows), -1)
+    with torch.no_grad():
+        t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
+    feats = _shift_features(states)
+    total, parts = 0.0, {}
+    for step in range(unroll):
+        g = head.forward_train(feats, windows, positions, normalized=True)
+        n_g = head.norm(g)
+        kl = F.kl_div(F.log_softmax(F.linear(n_g, head.lm_rows), -1).flatten(0, 1), t_logp.flatten(0, 1),
+                      log_target=True, reduction="batchmean")
+        feat = F.smooth_l1_loss(n_g, states)
+        total = total + (kl + feature_weight * feat) / unroll
+        parts[f"kl{step}"], parts[f"feat{step}"] = kl.item(), feat.item()
+        feats = _shift_features(n_g)  # the next pass continues from the head's own features
+    return total, parts
+
+
+@torch.no_grad()
+def chain_acceptance(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, targets: torch.Tensor,
+                     start: int, gamma: int) -> dict[str, Any]:
+    """Greedy chain drafting from every position s >= start of each window (as the chain policy):
+    the head sees true features for rows <= s, then its own; accepted = drafts matching the
+    target's greedy tokens (`targets` [B,T]: the token after each position)."""
+    b, t = windows.shape
+    accepted = []
+    for s in range(start, t - gamma - 1):
+        feats = _shift_features(states[:, : s + 1])
+        toks = windows[:, : s + 1]
+        ok = torch.ones(b, dtype=torch.bool)
+        count = torch.zeros(b, dtype=torch.long)
+        for _ in range(gamma):
+            positions = torch.arange(toks.shape[1])[None].expand(b, -1)
+            g = head.forward_train(feats, toks, positions, normalized=True)
+            d = head.vocab_ids[head.logits(g[:, -1]).argmax(-1)]
+            ok &= d == targets[:, toks.shape[1] - 1]
+            count += ok.long()
+            feats = torch.cat([feats, head.norm(g[:, -1:])], 1)
+            toks = torch.cat([toks, d[:, None]], 1)
+        accepted.append(count)
+    acc = torch.stack(accepted).flatten().float()
+    depth = [(acc >= k).float().mean().item() for k in range(1, gamma + 1)]
+    return {"tokens_per_call": 1 + acc.mean().item(), "accept_at_depth": depth, "rounds": int(acc.numel())}
+
+
+def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from toolchain.compile.recipe import load_recipe
+    from toolchain.compile.source import load
+
+    t0 = time.perf_counter()
+    budget = cfg.minutes * 60
+    torch.manual_seed(cfg.seed)
+    recipe = load_recipe(recipe_path)
+    loaded = load(recipe.source, base=recipe_path.parent)
+    target = loaded.model.float().eval()
+    for p in target.parameters():
+        p.requires_grad = False
+    tok = loaded.tokenizer
+    train, held = corpus.train_and_held_out(tok, cfg.corpus_tokens, cfg.seq_len * 8, cfg.seed)
+    w_train = _windows(train, cfg.seq_len)
+    gen = target_continuations(target, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed,
+                               seconds=budget * 0.25)
+    gen_held = target_continuations(target, held, cfg.held_out_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed + 1)
+    log(f"target continuations: {len(gen)} training + {len(gen_held)} held-out windows "
+        f"({time.perf_counter() - t0:.0f} s)")
+    windows = torch.cat([gen, w_train]) if len(gen) else w_train
+    states, _ = teacher_states(target, windows, budget * 0.2, cfg.batch, log)
+    windows = windows[: len(states)]
+    s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
+    eos = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
+    vocab_ids = draft_vocabulary([windows.numpy()], cfg.draft_vocab,
+                                 target.config.vocab_size, eos)
+    e_all = target.get_output_embeddings().weight.detach()
+    t_held = F.linear(s_held, e_all).argmax(-1)  # the target's greedy next token after each position
+    coverage = float(torch.isin(t_held[:, cfg.prompt_len:], vocab_ids).float().mean())
+    log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.3f} of the target's held-out greedy tokens")
+
+    head = DraftHead(target, vocab_ids, init_layer=None)  # measured: a fresh layer generalises better than
+    # the target's last one (held-out top-1 0.30 vs 0.23 after a minute)
+    head.config._attn_implementation = "sdpa"
+    gen_rng = torch.Generator().manual_seed(cfg.seed)
+
+    def step_loss() -> torch.Tensor:
+        rows = torch.randint(len(windows), (cfg.batch,), generator=gen_rng)
+        loss, _ = head_losses(head, windows[rows], states[rows], cfg.unroll, cfg.feature_weight)
+        return loss
+
+    eval_seconds = 60.0
+    left = budget - (time.perf_counter() - t0) - eval_seconds
+    if left < 30:
+        raise DraftTrainError(f"--minutes {cfg.minutes}: the target's continuations and teacher pass used "
+                              f"{time.perf_counter() - t0:.0f} s; give the training at least a few minutes more")
+    res = timed_adamw_loop(head, head.trainable(), step_loss, lr=cfg.lr, seconds=left, log=log, label="loss",
+                           every=20)
+    head.eval()
+    accept = chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)
+    log(f"held-out chain gamma={cfg.gamma} on the target's continuations: {accept['tokens_per_call']:.2f} "
+        f"tokens per target call; acceptance by depth {[round(a, 3) for a in accept['accept_at_depth']]}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_head(head, out_dir / HEAD_FILE)
+    report = {"target": recipe.name, "target_source": loaded.description, "config": asdict(cfg),
+              "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
+              "vocab_coverage_held_out": coverage, "train_windows": len(windows), "generated_windows": len(gen),
+              "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),
+              "held_out": accept, "seconds": round(time.perf_counter() - t0, 1)}
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,99 @@
+"""The feature-level draft head (EAGLE-style) as a torch module: what `mobc train draft --kind head`
+trains and what the head's step graphs are exported and verified from.
+
+    n_in = final_norm(features)                    the target's own final RMSNorm (frozen)
+    x    = fc([n_in ; embed(token)])               2C -> C, trained
+    g    = decoder_layer(x)                        one layer of the target's own class, trained
+    logits = final_norm(g) @ E[draft_vocab]^T      the target's lm_head rows (frozen)
+
+`features` is the target's residual stream entering its final norm at the previous position
+(the `hidden` a split-lm_head artifact hands its lm_head), or, for a drafted token, the head's own
+`g` of the previous row: the final norm is scale-invariant, so both live in one space. The
+draft vocabulary is the target's most frequent next tokens (a 49k-row lm_head would cost as
+much as 25% of the target; 8k rows cost 3.5%): a target token outside it is simply never drafted.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def head_config(target_config: Any) -> Any:
+    """The target's config with one layer of full attention (the head's own layer)."""
+    cfg = copy.deepcopy(target_config)
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = ["full_attention"]
+    return cfg
+
+
+class DraftHead(nn.Module):
+    def __init__(self, target: Any, vocab_ids: torch.Tensor, init_layer: int | None = -1):
+        """target: the HF causal LM (weights read, never trained); vocab_ids [V'] the draft vocabulary;
+        init_layer: the target layer the head's layer starts from (None: fresh init)."""
+        super().__init__()
+        cfg = head_config(target.config)
+        self.config = cfg
+        c = cfg.hidden_size
+        layer_cls = type(target.model.layers[0])
+        self.layer = layer_cls(cfg, layer_idx=0)
+        if init_layer is not None:
+            self.layer.load_state_dict(target.model.layers[init_layer].state_dict())
+        self.fc = nn.Linear(2 * c, c, bias=True)
+        with torch.no_grad():  # start as "the feature, plus a little of the token"
+            self.fc.weight.zero_()
+            self.fc.weight[:, :c] = torch.eye(c)
+            self.fc.weight[:, c:] = torch.eye(c) * 0.1
+            self.fc.bias.zero_()
+        self.norm = copy.deepcopy(target.model.norm)
+        self.rotary = target.model.rotary_emb
+        embed = target.get_input_embeddings().weight.detach().float()
+        head_w = target.get_output_embeddings().weight.detach().float()
+        self.register_buffer("embed", embed.clone(), persistent=False)
+        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        self.register_buffer("lm_rows", head_w[vocab_ids.long()].clone(), persistent=False)
+        for p in self.norm.parameters():
+            p.requires_grad = False
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [*self.fc.parameters(), *self.layer.parameters()]
+
+    def mix(self, features: torch.Tensor, tokens: torch.Tensor, normalized: bool = False) -> torch.Tensor:
+        n_in = features if normalized else self.norm(features)
+        return self.fc(torch.cat([n_in, F.embedding(tokens, self.embed)], dim=-1))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(g), self.lm_rows)
+
+    def forward_train(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                      normalized: bool = True) -> torch.Tensor:
+        """Causal pass over whole windows: features [B,T,C] (row t's previous position), tokens [B,T]."""
+        x = self.mix(features, tokens, normalized)
+        cos, sin = self.rotary(x, positions)
+        t = tokens.shape[1]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = self.layer(x, attention_mask=mask, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def save_head(head: DraftHead, path: Any) -> None:
+    """fp16 safetensors: the trained tensors (fc.*, layer.*) and the draft vocabulary; everything else
+    (embeddings, final norm, lm_head rows) is the target's and is read from it at load."""
+    from safetensors.torch import save_file
+
+    tensors = {f"fc.{k}": v for k, v in head.fc.state_dict().items()}
+    tensors.update({f"layer.{k}": v for k, v in head.layer.state_dict().items()})
+    out = {k: v.detach().half().contiguous() for k, v in tensors.items()}
+    out["vocab_ids"] = head.vocab_ids.int()
+    save_file(out, str(path))
+
+
+def load_head_tensors(head: DraftHead, tensors: dict[str, torch.Tensor]) -> None:
+    state = {k: v.float() for k, v in tensors.items()}
+    head.fc.load_state_dict({k[3:]: v for k, v in state.items() if k.startswith("fc.")})
+    head.layer.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("layer.")})
