@@ -19,6 +19,11 @@ from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
 
 
+def step_model(model: Any) -> StepModel:
+    """The StepModel behind a draft (a draft head's adapter wraps one)."""
+    return getattr(model, "step_model", model)
+
+
 def warmup(model: StepModel) -> None:
     """Open every session and run each graph once, so no policy pays session creation in its timing."""
     for fam in model.widths:
@@ -116,10 +121,10 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
         pol[name], owner[name] = make_policy("ar", b), name
     for m in (target, draft, *baselines):
         if m is not None:
-            warmup(m)
+            warmup(step_model(m))
     predictors = {"target": Predictor.build(target, device, target_dram)}
     if draft is not None:
-        predictors["draft"] = Predictor.build(draft, device, draft_dram)
+        predictors["draft"] = Predictor.build(step_model(draft), device, draft_dram)
     for b in baselines:
         predictors[f"ar@{b.name}"] = Predictor.build(b, device, target_dram)
     tok = target.tokenizer

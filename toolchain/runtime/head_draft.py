@@ -44,6 +44,7 @@ class HeadDraft:
             raise ArtifactError(f"draft head {head.name} was trained for a vocabulary of {info['target_vocab']} "
                                 f"tokens, target {target.name} has {target.vocab}; train a head for this target")
         self.head, self.target = head, target
+        self.step_model = head  # what benches time and price
         self.name = head.name
         self.vocab = target.vocab
         self.eos_ids = target.eos_ids
