@@ -1,5 +1,5 @@
 # Two commands do all the set-up and work on a fresh machine:
-#   make compile   install what is missing, then compile recipes/smollm2-135m.yaml
+#   make compile   install what is missing, then compile recipes/smollm2-135m.yaml and its draft head
 #   make test      install what is missing, then run the test suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -24,6 +24,8 @@ setup: $(STAMP)
 
 compile: setup
 	$(VENV)/bin/mobc compile $(RECIPE)
+	# the default target's shipped draft head (assets/heads/): speculative policies run without training
+	$(if $(filter recipes/smollm2-135m.yaml,$(RECIPE)),$(VENV)/bin/mobc compile recipes/smollm2-135m-head.yaml)
 
 test: setup
 	$(VENV)/bin/ruff check .

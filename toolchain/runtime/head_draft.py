@@ -17,6 +17,7 @@ other token at MASK_MIN), so a policy sees the same shape from any draft.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from toolchain.artifact.layout import MASK_MIN
 from toolchain.artifact.manifest import Manifest
 from toolchain.errors import ArtifactError
 from toolchain.runtime.model import StepModel
+from toolchain.runtime.tree_exec import DraftTree
 
 FEATURES = "features"
 HIDDEN = "hidden"
@@ -173,3 +175,63 @@ class HeadDraft:
     @property
     def manifest(self) -> Manifest:
         return self.head.manifest
+
+
+class HeadDraftTree(DraftTree):
+    """Lever's tree drafting with a head: a node's row reads its parent row's `hidden` as its feature
+    (the root's parent rows are the committed text's), so a whole frontier still runs in one call."""
+
+    def __init__(self, draft: HeadDraft):
+        super().__init__(draft.head)
+        self.draft = draft
+        self.hidden: dict[int, np.ndarray] = {}  # scratch slot -> that row's hidden
+        self.token_at: dict[int, int] = {}
+
+    def start(self, todo: Sequence[int]) -> np.ndarray:
+        logits = self.draft.feed(list(todo))
+        self.root_slot = self.model.cache.length - 1
+        self.slot = {0: self.root_slot}
+        self.hidden, self.token_at = {}, {}
+        return logits
+
+    def _parent_hidden(self, slot: int) -> np.ndarray:
+        return self.hidden[slot] if slot in self.hidden else self.draft._own[slot]
+
+    def _expand(self, tree, nodes: list[int]) -> np.ndarray:
+        m = self.model
+        if any(tree.parents[x] not in self.slot for x in nodes):
+            raise ValueError("a head expands nodes whose parents ran in an earlier call (it reads their hidden)")
+        fam, feeds = self._tree_feeds(tree, nodes)
+        feats = np.zeros(m.sessions.chain(fam)[0].input_shape(FEATURES)[0], np.float32)
+        for r, x in enumerate(nodes):
+            feats[0, r] = self._parent_hidden(self.slot[tree.parents[x]])
+        feeds[FEATURES] = feats
+        t = time.perf_counter()
+        outs = m.sessions.run_family(fam, feeds)
+        m.seconds[fam] += time.perf_counter() - t
+        m.calls[fam] += 1
+        base = m.cache.length
+        self._commit_rows(outs, nodes)
+        for r, x in enumerate(nodes):
+            self.hidden[base + r] = outs[HIDDEN][0, r].copy()
+            self.token_at[base + r] = tree.tokens[x]
+        return np.stack([self.draft._full(row) for row in outs["logits"][0, : len(nodes)]])
+
+    def finish(self, path: Sequence[int]) -> int:
+        src = [self.slot[x] for x in path[1:] if x in self.slot]
+        kept = super().finish(path)
+        d, lo = self.draft, self.root_slot + 1
+        del d.tokens[lo:]
+        d._own = {s: h for s, h in d._own.items() if s < lo}
+        for j, s in enumerate(src[:kept]):  # moved to lo + j; computed from the head's own features
+            d.tokens.append(self.token_at[s])
+            d._own[lo + j] = self.hidden[s]
+        if kept:
+            d.guessed_from = min(d.guessed_from, lo)
+        self.hidden, self.token_at = {}, {}
+        return kept
+
+
+def tree_drafter(draft) -> DraftTree:
+    """Lever's drafter for a draft model: a head's own, or the plain StepModel one."""
+    return HeadDraftTree(draft) if isinstance(draft, HeadDraft) else DraftTree(draft)

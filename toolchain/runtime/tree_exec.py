@@ -92,6 +92,25 @@ class DraftTree:
         m = self.model
         if any(tree.parents[x] not in self.slot and tree.parents[x] not in nodes for x in nodes):
             raise ValueError("expand: every node's parent must have run first (or run in the same call)")
+        fam, feeds = self._tree_feeds(tree, nodes)
+        t = time.perf_counter()
+        outs = m.sessions.run_family(fam, feeds)
+        m.seconds[fam] += time.perf_counter() - t
+        m.calls[fam] += 1
+        self._commit_rows(outs, nodes)
+        return np.asarray(outs["logits"][0, : len(nodes)], dtype=np.float32)
+
+    def _commit_rows(self, outs: dict[str, np.ndarray], nodes: list[int]) -> None:
+        """The call's rows become scratch slots of the draft cache, one per node."""
+        base = self.model.cache.length
+        self.model.cache.commit(outs, range(len(nodes)))
+        for r, x in enumerate(nodes):
+            self.slot[x] = base + r
+
+    def _tree_feeds(self, tree: Tree, nodes: list[int]) -> tuple[str, dict[str, np.ndarray]]:
+        """The family and inputs of one call over `nodes`: tree positions, each query seeing only its
+        ancestors (in this call and in earlier calls' scratch slots)."""
+        m = self.model
         fam = m.family_for(len(nodes))
         width = m.widths[fam]
         sub = tree.ancestor_mask()[np.ix_(nodes, nodes)]
@@ -110,15 +129,7 @@ class DraftTree:
             for name, mask in feeds.items():
                 if name.startswith("attention_mask"):
                     mask[0, 0, :, lo:hi] = np.where(seen, 0.0, MASK_MIN)
-        t = time.perf_counter()
-        outs = m.sessions.run_family(fam, feeds)
-        m.seconds[fam] += time.perf_counter() - t
-        m.calls[fam] += 1
-        base = m.cache.length
-        m.cache.commit(outs, range(len(nodes)))
-        for r, x in enumerate(nodes):
-            self.slot[x] = base + r
-        return np.asarray(outs["logits"][0, : len(nodes)], dtype=np.float32)
+        return fam, feeds
 
     def finish(self, path: Sequence[int]) -> int:
         """Keep the rows of the accepted path's nodes that ran (a prefix); returns how many."""

@@ -158,9 +158,9 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
         loss, _ = head_losses(head, windows[rows], states[rows], cfg.unroll, cfg.feature_weight)
         return loss
 
-    eval_seconds = 60.0
+    eval_seconds = min(60.0, 0.1 * budget)
     left = budget - (time.perf_counter() - t0) - eval_seconds
-    if left < 30:
+    if left < 0.1 * budget:
         raise DraftTrainError(f"--minutes {cfg.minutes}: the target's continuations and teacher pass used "
                               f"{time.perf_counter() - t0:.0f} s; give the training at least a few minutes more")
     res = timed_adamw_loop(head, head.trainable(), step_loss, lr=cfg.lr, seconds=left, log=log, label="loss",

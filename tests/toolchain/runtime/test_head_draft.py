@@ -99,3 +99,45 @@ def test_rows_drafted_on_the_heads_own_features_are_redone_once_the_target_commi
     fresh._run([*ids, pending, d1, d2], commit=True)
     for mine, ref in zip(draft.cache.keys, fresh.cache.keys, strict=True):
         np.testing.assert_allclose(mine[..., : draft.length], ref[..., : draft.length], atol=1e-5)
+
+
+def test_lever_drafts_trees_with_a_head_and_generates_ars_tokens(world):
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    ar, lever = make_policy("ar", target), make_policy("lever", target, draft)
+    tok = tiny_tokenizer()
+    calls = 0
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        want = generate(ar, ids)
+        assert generate(lever, ids) == want, prompt
+        calls += sum(lever.stats.draft_calls.values())
+    assert calls > 0  # the head really drafted
+
+
+def test_a_tree_node_reads_its_parents_hidden_like_a_chain_draft(world):
+    """Expanding root -> a -> b in a tree gives the logits chain drafting gives for the same path."""
+    from toolchain.runtime.head_draft import HeadDraftTree
+    from toolchain.runtime.tree import Tree
+
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    pending = int(np.argmax(target.prefill(ids)))
+    chain, tree_draft = HeadDraft(StepModel(head_dir), target), HeadDraft(StepModel(head_dir), target)
+    chain.prefill(ids)
+    tree_draft.prefill(ids)
+    a, b = 7, 11
+    want_a, want_b = chain.feed([pending]), None
+    chain.feed([a])
+    want_b = chain.feed([b])
+    drafter = HeadDraftTree(tree_draft)
+    tree = Tree.root(pending)
+    np.testing.assert_allclose(drafter.start([pending]), want_a, atol=1e-5)
+    na = tree.add(0, a, 0.5, 0.5)
+    drafter.expand(tree, [na])
+    nb = tree.add(na, b, 0.5, 0.5)
+    nc = tree.add(na, 3, 0.5, 0.5)  # a sibling in the same call must not change b's row
+    got = drafter.expand(tree, [nb, nc])
+    np.testing.assert_allclose(got[0], want_b, atol=1e-4)

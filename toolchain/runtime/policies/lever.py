@@ -24,6 +24,7 @@ import numpy as np
 
 from toolchain.cost.prices import CpuPrices, PhonePrices, Prices
 from toolchain.errors import MobcError
+from toolchain.runtime.head_draft import tree_drafter
 from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, top_candidates
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy, RunStats
@@ -76,8 +77,9 @@ class Lever(Policy):
         super().__init__(target, draft)
         self.config = cfg = config or LeverConfig()
         if prices is None:
-            prices = ((PhonePrices(target, cfg.device, cfg.target_dram), PhonePrices(draft, cfg.device, cfg.draft_dram))
-                      if cfg.cost == "phone" else (CpuPrices(target), CpuPrices(draft)))
+            d_model = getattr(draft, "step_model", draft)  # a draft head's adapter wraps its StepModel
+            prices = ((PhonePrices(target, cfg.device, cfg.target_dram), PhonePrices(d_model, cfg.device, cfg.draft_dram))
+                      if cfg.cost == "phone" else (CpuPrices(target), CpuPrices(d_model)))
         self.t_prices, self.d_prices = prices
         logits = "path" if cfg.logits == "auto" else cfg.logits
         self.verifier = verifier or TreeVerifier(target, logits=logits if self._can_split() else "full")
@@ -116,7 +118,7 @@ class Lever(Policy):
         self.builder.cycles = 0  # exploration schedule per generation (calibration carries over)
         pending = self._prefill(prompt, sampler)
         n = 1
-        drafter = DraftTree(draft)
+        drafter = tree_drafter(draft)
         widest = max(self.verifier.widths)
         try:
             yield [pending]

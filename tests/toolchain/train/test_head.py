@@ -1,0 +1,34 @@
+"""`mobc train draft --kind head` on a tiny target: the saved head loads for its target and is measured."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from tests.tiny import save_tiny, write_recipe
+from toolchain.compile.head import load_head
+from toolchain.train.head import HEAD_FILE, REPORT_FILE, HeadConfig, draft_vocabulary, train_head
+
+
+def test_draft_vocabulary_keeps_the_most_frequent_tokens_and_eos():
+    streams = [np.array([5, 5, 5, 7, 7, 9, 1, 1, 1, 1])]
+    assert draft_vocabulary(streams, 3, 16, always=[2]).tolist() == [1, 2, 5]  # eos 2 ranks first, then 1, 5
+    assert draft_vocabulary(streams, 100, 16, always=[2]).tolist() == list(range(16))
+
+
+def test_a_short_training_run_writes_a_head_its_target_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = save_tiny(tmp_path / "hf", "llama")
+    recipe = write_recipe(tmp_path / "t.yaml", hf)
+    cfg = HeadConfig(minutes=0.5, corpus_tokens=4096, generated_windows=2, held_out_windows=1, seq_len=64,
+                     prompt_len=16, draft_vocab=128)
+    report = train_head(recipe, tmp_path / "head", cfg, log=lambda _m: None)
+    assert report["steps"] > 0 and report["loss_last"] < report["loss_first"]
+    assert report["draft_vocab"] == 128 and 0 < report["vocab_coverage_held_out"] <= 1
+    held = report["held_out"]
+    assert 1.0 <= held["tokens_per_call"] <= 1 + cfg.gamma and held["rounds"] > 0
+    assert json.loads((tmp_path / "head" / REPORT_FILE).read_text())["steps"] == report["steps"]
+    head = load_head(AutoModelForCausalLM.from_pretrained(hf).float(), tmp_path / "head" / HEAD_FILE)
+    assert len(head.vocab_ids) == 128
