@@ -173,6 +173,10 @@ class HeadDraft:
         return self.head.widths
 
     @property
+    def decode_family(self) -> str:
+        return self.head.decode_family
+
+    @property
     def manifest(self) -> Manifest:
         return self.head.manifest
 

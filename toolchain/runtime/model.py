@@ -158,9 +158,9 @@ class StepModel:
         _, outs, first_row = self._last
         rows = [first_row + i for i in accepted]
         slot = self.cache.length
+        for listener in self.commit_listeners:  # before the length moves: a concurrent drafter (ahasd)
+            listener(outs, rows, slot)  # that sees the new length must also see the rows' features
         self.cache.commit(outs, rows)
-        for listener in self.commit_listeners:
-            listener(outs, rows, slot)
 
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)

@@ -141,3 +141,12 @@ def test_a_tree_node_reads_its_parents_hidden_like_a_chain_draft(world):
     nc = tree.add(na, 3, 0.5, 0.5)  # a sibling in the same call must not change b's row
     got = drafter.expand(tree, [nb, nc])
     np.testing.assert_allclose(got[0], want_b, atol=1e-4)
+
+
+def test_ahasd_drafts_asynchronously_with_a_head_and_generates_ars_tokens(world):
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    ar, ahasd = make_policy("ar", target), make_policy("ahasd", target, draft, gamma=3)
+    ids = tiny_tokenizer()(PROMPTS[1]).input_ids
+    assert generate(ahasd, ids) == generate(ar, ids)
