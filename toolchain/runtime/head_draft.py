@@ -72,12 +72,13 @@ class HeadDraft:
     def _on_target_commit(self, outs: dict[str, np.ndarray], rows: list[int], slot: int) -> None:
         self.target_features[slot : slot + len(rows)] = outs[HIDDEN][0, rows]
 
-    def _feature(self, slot: int) -> np.ndarray | None:
-        """The feature row `slot` reads: position slot-1's (zeros for slot 0)."""
+    def _feature(self, slot: int, committed: int) -> np.ndarray | None:
+        """The feature row `slot` reads: position slot-1's (zeros for slot 0); `committed` is the
+        target's length, read once per call (ahasd's verifier commits concurrently)."""
         prev = slot - 1
         if prev < 0:
             return np.zeros(self.target_features.shape[1], np.float32)
-        if prev < self.target.length:
+        if prev < committed:
             return self.target_features[prev]
         return self._own.get(prev)
 
@@ -89,41 +90,43 @@ class HeadDraft:
         start, redo = self.guessed_from, self.tokens[self.guessed_from : top]
         keep_tail = self.tokens[top:]
         self.truncate(start)
-        self._run(redo, commit=True)
+        self._run(redo)
         if keep_tail:
-            self._run(keep_tail, commit=True)
+            self._run(keep_tail)
 
     # ---- calls ------------------------------------------------------------------------------
-    def _run(self, tokens: Sequence[int], commit: bool) -> np.ndarray:
-        """One head call over `tokens` at the next slots (chunked by the widest graph); returns the
-        logits [k, V'] of its rows."""
+    def _run(self, tokens: Sequence[int]) -> np.ndarray:
+        """Head calls over `tokens` at the next slots, committed; returns the logits [k, V'] of their rows.
+
+        A row joins the call of the row before it only when its feature is the target's: a row that
+        drafts on the previous row's own `hidden` needs that row run first, so it starts a new call."""
         out = []
         widest = max(self.head.widths.values())
-        for i in range(0, len(tokens), widest):
-            chunk = list(tokens[i : i + widest])
+        i = 0
+        while i < len(tokens):
+            base, committed = self.head.length, self.target.length
+            rows = [self._feature(base, committed)]
+            if rows[0] is None:
+                raise RuntimeError(f"no feature for head slot {base}: its previous row never ran")
+            while i + len(rows) < len(tokens) and len(rows) < widest and base + len(rows) - 1 < committed:
+                rows.append(self.target_features[base + len(rows) - 1])
+            chunk = list(tokens[i : i + len(rows)])
             fam = self.head.family_for(len(chunk))
             feats = self.head.extra_inputs(fam)[FEATURES]
             feats[...] = 0.0
-            base = self.head.length
-            guessed = False
-            for r in range(len(chunk)):
-                f = self._feature(base + r)
-                if f is None:  # only the first row can lack one: later rows in a call are causal
-                    raise RuntimeError(f"no feature for head slot {base + r}")
-                guessed |= base + r - 1 >= self.target.length
-                feats[0, r] = f
+            feats[0, : len(rows)] = rows
             logits = self.head.forward(chunk, family=fam)
             hidden = self.head._last[1][HIDDEN][0]
-            if commit:
-                self.head.commit(range(len(chunk)))
-                for r in range(len(chunk)):
-                    self._own[base + r] = hidden[r].copy()
-                self.tokens.extend(chunk)
-                if guessed:
-                    self.guessed_from = min(self.guessed_from, base)
-                elif self.guessed_from >= base:
-                    self.guessed_from = base + len(chunk)
+            self.head.commit(range(len(chunk)))
+            for r in range(len(chunk)):
+                self._own[base + r] = hidden[r].copy()
+            self.tokens.extend(chunk)
+            if base - 1 >= committed:  # only the first row can have read the head's own feature
+                self.guessed_from = min(self.guessed_from, base)
+            elif self.guessed_from >= base:
+                self.guessed_from = base + len(chunk)
             out.append(logits)
+            i += len(chunk)
         return np.concatenate(out)
 
     def _full(self, logits: np.ndarray) -> np.ndarray:
@@ -133,11 +136,11 @@ class HeadDraft:
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         self.reset(stats=False)
-        return self._full(self._run(ids, commit=True)[-1])
+        return self._full(self._run(ids)[-1])
 
     def feed(self, tokens: Sequence[int]) -> np.ndarray:
         self._redo_guessed()
-        return self._full(self._run(tokens, commit=True)[-1])
+        return self._full(self._run(tokens)[-1])
 
     def reset(self, stats: bool = True) -> None:
         self.head.reset(stats)

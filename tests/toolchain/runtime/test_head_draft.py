@@ -42,7 +42,7 @@ def test_chain_with_a_head_generates_ars_tokens_and_keeps_target_features(world)
         fresh = HeadDraft(StepModel(head_dir), target)
         fresh.reset()
         fresh.target_features[:] = draft.target_features  # it joined after the target's commits
-        fresh._run(text, commit=True)
+        fresh._run(text)
         for mine, ref in zip(draft.cache.keys + draft.cache.values, fresh.cache.keys + fresh.cache.values,
                              strict=True):
             np.testing.assert_allclose(mine[..., :n] if mine.shape[-1] == draft.cache.context else mine[:, :, :n],
@@ -66,8 +66,8 @@ def test_features_are_the_targets_residual_at_the_previous_position(world):
         rows.append(ref._last[1]["hidden"][0, 0].copy())
         ref.commit([0])
     np.testing.assert_allclose(draft.target_features[: len(ids)], np.stack(rows), atol=1e-4)
-    assert np.all(draft._feature(0) == 0)
-    np.testing.assert_array_equal(draft._feature(3), draft.target_features[2])
+    assert np.all(draft._feature(0, target.length) == 0)
+    np.testing.assert_array_equal(draft._feature(3, target.length), draft.target_features[2])
 
 
 def test_a_target_without_features_is_refused(world, tmp_path):
@@ -96,7 +96,7 @@ def test_rows_drafted_on_the_heads_own_features_are_redone_once_the_target_commi
     fresh = HeadDraft(StepModel(head_dir), target)
     fresh.target_features[:] = draft.target_features
     fresh.reset()
-    fresh._run([*ids, pending, d1, d2], commit=True)
+    fresh._run([*ids, pending, d1, d2])
     for mine, ref in zip(draft.cache.keys, fresh.cache.keys, strict=True):
         np.testing.assert_allclose(mine[..., : draft.length], ref[..., : draft.length], atol=1e-5)
 
@@ -150,3 +150,20 @@ def test_ahasd_drafts_asynchronously_with_a_head_and_generates_ars_tokens(world)
     ar, ahasd = make_policy("ar", target), make_policy("ahasd", target, draft, gamma=3)
     ids = tiny_tokenizer()(PROMPTS[1]).input_ids
     assert generate(ahasd, ids) == generate(ar, ids)
+
+
+def test_feeding_several_tokens_past_the_target_drafts_each_on_the_previous_rows_hidden(world):
+    """ahasd's drafter feeds tokens the target has not committed: each row needs the row before it
+    run first, so one feed of three equals three feeds of one."""
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    target.prefill(ids)
+    together, apart = HeadDraft(StepModel(head_dir), target), HeadDraft(StepModel(head_dir), target)
+    for d in (together, apart):
+        d.prefill(ids)
+    got = together.feed([5, 6, 7])
+    for tok in (5, 6, 7):
+        want = apart.feed([tok])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert together.calls == apart.calls
