@@ -21,6 +21,7 @@ from toolchain.compile.head import (
 )
 from toolchain.compile.pass_runner import run_passes
 from toolchain.compile.recipe import Recipe
+from toolchain.compile.records import CompileResult, model_record, tool_versions
 from toolchain.compile.report import write_report
 from toolchain.compile.source import LoadedModel
 from toolchain.compile.verify import real_text
@@ -31,8 +32,6 @@ VERIFY_ROWS = 48
 
 def compile_head(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, loaded: LoadedModel,
                  timer: Any) -> Any:
-    from toolchain.compile.pipeline import CompileResult, model_record, tool_versions
-
     assert recipe.head is not None
     weights = (recipe_path.parent / recipe.head.weights).resolve()
     with timer.stage("load head", str(weights)):

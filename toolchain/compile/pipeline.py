@@ -7,25 +7,23 @@ can show progress without the pipeline knowing about terminals.
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import passes as pass_registry
-from toolchain import __version__
 from toolchain.artifact.chain import run_chain
 from toolchain.artifact.layout import StepLayout
-from toolchain.artifact.manifest import Manifest, ModelInfo
+from toolchain.artifact.manifest import Manifest
 from toolchain.compile.capture import layout_for, rope_tables
 from toolchain.compile.emit import staging, write_graphs, write_rope
 from toolchain.compile.export import StoredWeights, export_step_graph
 from toolchain.compile.pass_runner import run_passes
 from toolchain.compile.recipe import Recipe, check_against_model, load_recipe
+from toolchain.compile.records import CompileResult, model_record, tool_versions
 from toolchain.compile.report import write_report
 from toolchain.compile.source import LoadedModel, load
 from toolchain.compile.verify import (
@@ -53,39 +51,6 @@ class Reporter:
 
     def note(self, message: str) -> None:
         """Progress inside a long stage (calibration, QAT steps)."""
-
-
-@dataclass
-class CompileResult:
-    out_dir: Path
-    manifest: Manifest
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-def tool_versions() -> dict[str, str]:
-    import onnx
-    import onnx_ir
-    import onnxruntime
-    import onnxscript
-    import torch
-    import transformers
-
-    return {
-        "mobc": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "onnx": onnx.__version__, "onnx_ir": onnx_ir.__version__,
-        "onnxscript": onnxscript.__version__, "onnxruntime": onnxruntime.__version__,
-    }
-
-
-def model_record(loaded: LoadedModel, layout: StepLayout) -> ModelInfo:
-    cfg = loaded.config
-    return ModelInfo.from_layout(
-        layout, family=cfg.model_type, max_position_embeddings=cfg.max_position_embeddings, eos_token_ids=eos_ids(cfg),
-        bos_token_id=getattr(cfg, "bos_token_id", None),
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        has_chat_template=bool(getattr(loaded.tokenizer, "chat_template", None)),
-        diffusion=loaded.diffusion,  # masked-diffusion form (toolchain/diffusion/form.py) or None
-    )
 
 
 class StageTimer:

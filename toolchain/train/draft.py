@@ -107,7 +107,7 @@ def derive_draft(teacher: Any, layers: list[int]) -> Any:
     return student.float().eval()
 
 
-def _windows(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
+def token_windows(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
     n = len(tokens) // seq_len
     return torch.from_numpy(tokens[: n * seq_len].reshape(n, seq_len))
 
@@ -324,7 +324,7 @@ def train_draft(recipe_path: Path, out_dir: Path, layers: str, cfg: DistillConfi
         log(f"target {recipe.name}: {n_layers} layers; draft keeps {cfg.layers}")
         student = derive_draft(teacher, cfg.layers)
     train, held = corpus.train_and_held_out(loaded.tokenizer, cfg.corpus_tokens, cfg.eval_tokens, cfg.seed)
-    w_train, w_held = _windows(train, cfg.seq_len), _windows(held, cfg.seq_len)
+    w_train, w_held = token_windows(train, cfg.seq_len), token_windows(held, cfg.seq_len)
     t_loop = time.perf_counter()
     gen_budget = cfg.seconds * cfg.teacher_share / 2
     # generation is per-step overhead bound on a CPU: a wide batch costs little more per step than 4

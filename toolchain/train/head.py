@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.train import corpus
-from toolchain.train.draft import DraftTrainError, _windows, target_continuations, teacher_states
+from toolchain.train.draft import DraftTrainError, target_continuations, teacher_states, token_windows
 from toolchain.train.head_model import DraftHead, save_head
 from toolchain.train.loop import timed_adamw_loop
 
@@ -130,7 +130,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
         p.requires_grad = False
     tok = loaded.tokenizer
     train, held = corpus.train_and_held_out(tok, cfg.corpus_tokens, cfg.seq_len * 8, cfg.seed)
-    w_train = _windows(train, cfg.seq_len)
+    w_train = token_windows(train, cfg.seq_len)
     gen = target_continuations(target, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed,
                                seconds=budget * 0.25)
     gen_held = target_continuations(target, held, cfg.held_out_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed + 1)

@@ -14,7 +14,6 @@ from toolchain.train.draft import (
     DistillConfig,
     DraftTrainError,
     _Readout,
-    _windows,
     agreement,
     derive_draft,
     distill,
@@ -23,6 +22,7 @@ from toolchain.train.draft import (
     parse_layers,
     target_continuations,
     teacher_states,
+    token_windows,
     unfold,
 )
 
@@ -60,7 +60,7 @@ def test_lens_distill_fold_roundtrip(tmp_path):
     ids = np.asarray(tiny_tokenizer()(Path(os.__file__).read_text()).input_ids[:4608], dtype=np.int64)
     train, held = ids[:4096], ids[4096:]
     cfg = DistillConfig(seq_len=64, batch=4, positions=16, lr=3e-4)
-    w_train, w_held = _windows(train, 64), _windows(held, 64)
+    w_train, w_held = token_windows(train, 64), token_windows(held, 64)
     s_train, feats = teacher_states(teacher, w_train, float("inf"), 4, log=lambda m: None, prefix=1)
     s_held, _ = teacher_states(teacher, w_held, float("inf"), 4, log=lambda m: None)
     student = derive_draft(teacher, [0])
