@@ -17,7 +17,6 @@ other token at MASK_MIN), so a policy sees the same shape from any draft.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -213,10 +212,7 @@ class HeadDraftTree(DraftTree):
         for r, x in enumerate(nodes):
             feats[0, r] = self._parent_hidden(self.slot[tree.parents[x]])
         feeds[FEATURES] = feats
-        t = time.perf_counter()
-        outs = m.sessions.run_family(fam, feeds)
-        m.seconds[fam] += time.perf_counter() - t
-        m.calls[fam] += 1
+        outs = self._call(fam, feeds)
         base = m.cache.length
         self._commit_rows(outs, nodes)
         for r, x in enumerate(nodes):

@@ -89,16 +89,21 @@ class DraftTree:
         return np.concatenate([self._expand(tree, nodes[i : i + widest]) for i in range(0, len(nodes), widest)])
 
     def _expand(self, tree: Tree, nodes: list[int]) -> np.ndarray:
-        m = self.model
         if any(tree.parents[x] not in self.slot and tree.parents[x] not in nodes for x in nodes):
             raise ValueError("expand: every node's parent must have run first (or run in the same call)")
         fam, feeds = self._tree_feeds(tree, nodes)
+        outs = self._call(fam, feeds)
+        self._commit_rows(outs, nodes)
+        return np.asarray(outs["logits"][0, : len(nodes)], dtype=np.float32)
+
+    def _call(self, fam: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One draft call, timed and counted like the model's own calls."""
+        m = self.model
         t = time.perf_counter()
         outs = m.sessions.run_family(fam, feeds)
         m.seconds[fam] += time.perf_counter() - t
         m.calls[fam] += 1
-        self._commit_rows(outs, nodes)
-        return np.asarray(outs["logits"][0, : len(nodes)], dtype=np.float32)
+        return outs
 
     def _commit_rows(self, outs: dict[str, np.ndarray], nodes: list[int]) -> None:
         """The call's rows become scratch slots of the draft cache, one per node."""
