@@ -6,8 +6,11 @@ __all__ = ["PASSES", "build", "check_order", "register"]
 
 # importing a pass module registers it
 from passes import (  # noqa: E402,F401
+    attend_past_in_place,
     check_htp,
     fold_constants,
+    fuse_projections,
+    fuse_rmsnorm,
     forecast_inputs,
     linear_to_conv,
     lora_inputs,

@@ -22,6 +22,8 @@ from passes.base import GraphPass, PassConfig
 from passes.registry import register
 from toolchain.errors import PassError
 
+# onnxruntime contrib ops that live in the ONNX domain (the CPU passes write them)
+ORT_CONTRIB_OPS = {"SimplifiedLayerNormalization"}
 _IO_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.INT32}
 
 
@@ -40,6 +42,9 @@ class CheckHtp(GraphPass):
         for node in g:
             if node.op_type in self.config.banned_ops:
                 found.append(f"{node.op_type} node {node.name} is not supported by QNN HTP")
+            elif node.domain not in ("", "ai.onnx") or node.op_type in ORT_CONTRIB_OPS:
+                found.append(f"{node.op_type} node {node.name} is an onnxruntime CPU op (from a CPU pass "
+                             "such as matmul_nbits or fuse_rmsnorm); drop that pass from an NPU recipe")
             for v in node.outputs:
                 if v.shape is not None and len(v.shape) > self.config.max_rank:
                     found.append(f"{node.name} makes a rank-{len(v.shape)} tensor {v.name} (HTP: <= 4)")
