@@ -12,6 +12,7 @@ from passes import (  # noqa: E402,F401
     forecast_inputs,
     fuse_projections,
     fuse_rmsnorm,
+    fuse_rotary,
     linear_to_conv,
     lora_inputs,
     matmul_nbits,

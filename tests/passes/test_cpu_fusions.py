@@ -13,7 +13,7 @@ from tests.passes.tiny import feeds_for, graphset_for, tiny
 from toolchain.compile.pass_runner import ort_run, run_passes
 from toolchain.ir.graphset import GraphEntry
 
-CPU_FUSIONS = ["fuse_projections", "fuse_rmsnorm", "attend_past_in_place"]
+CPU_FUSIONS = ["fuse_projections", "fuse_rmsnorm", "fuse_rotary", "attend_past_in_place"]
 
 
 def _run(model, layout):
@@ -112,3 +112,13 @@ def test_check_htp_refuses_the_cpu_form():
     build("fuse_rmsnorm")(model)
     with pytest.raises(PassError, match="onnxruntime CPU op"):
         build("check_htp")(model)
+
+
+def test_fuse_rotary_replaces_every_q_and_k_rotation(arch):
+    layout, model = tiny(arch, 4)
+    build("fuse_rotary")(model)
+    ops = _ops(model)
+    assert ops.count("RotaryEmbedding") == 2 * layout.n_layers
+    assert "Neg" not in ops  # rotate_half's Neg is gone everywhere
+    caches = {n.inputs[2].name for n in model.graph if n.op_type == "RotaryEmbedding"}
+    assert len(caches) == len(layout.rope_kinds)  # one cos table per RoPE kind (Gemma 3: global, sliding)

@@ -103,3 +103,18 @@ def test_weights_on_no_grid_stay_float():
     gs, feeds = graphset_for("llama", (4,))
     entry = next(iter(gs.entries.values()))
     assert not build("matmul_nbits").call(entry.model).modified  # random weights: nothing to convert
+
+
+def test_checks_run_the_kernels_the_runtime_runs():
+    """accuracy_level 4 (int8 activations) is what onnxruntime runs with prepacked weights; the pass
+    check must see that change, not the float fallback an unpacked session computes."""
+    from toolchain.errors import PassError
+
+    gs, feeds = graphset_for("llama", (4,))
+    _on_grids(gs)
+    _, rows = run_passes(gs, ["fold_constants", "matmul_nbits"], 1e-4, feeds)
+    assert rows[-1]["worst"]["diff"] < 1e-4  # level 0: the float graph's numbers
+    gs, feeds = graphset_for("llama", (4,))
+    _on_grids(gs)
+    with pytest.raises(PassError, match="matmul_nbits"):
+        run_passes(gs, ["fold_constants", {"matmul_nbits": {"accuracy_level": 4}}], 1e-4, feeds)

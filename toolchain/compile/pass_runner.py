@@ -33,7 +33,7 @@ from toolchain.errors import MobcError, PassError
 from toolchain.ir import disk
 from toolchain.ir.graph import layer_of, weight_bytes
 from toolchain.ir.graphset import GraphEntry, GraphSet
-from toolchain.runtime.sessions import PART_BUDGET_BYTES, reopenable_session_options
+from toolchain.runtime.sessions import PART_BUDGET_BYTES, prepacking_changes_numerics, reopenable_session_options
 
 Feeds = dict[str, dict[str, np.ndarray]]
 
@@ -68,7 +68,9 @@ def _ort_run_whole(entry: GraphEntry, feeds: dict[str, np.ndarray]) -> dict[str,
         stem = f"check-{os.getpid()}-{entry.name}"
         path = save_for_ort(entry.model, folder, stem)
         try:
-            sess = ort.InferenceSession(str(path), reopenable_session_options(), providers=["CPUExecutionProvider"])
+            ops = {n.op_type for n in entry.model.graph.all_nodes()}
+            opts = reopenable_session_options(prepack=prepacking_changes_numerics(ops))
+            sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:
             raise PassError(f"graph {entry.name!r} does not load in onnxruntime: {exc}") from exc
         finally:

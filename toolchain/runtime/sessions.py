@@ -33,14 +33,31 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     return so
 
 
-def reopenable_session_options(threads: int | None = None) -> ort.SessionOptions:
+def reopenable_session_options(threads: int | None = None, prepack: bool = False) -> ort.SessionOptions:
     """For sessions opened and closed over and over under a memory budget: cheap to open
     (measured on a 1 GB part of a 1.2B Llama: 0.4 s at BASIC vs 4.6-7.8 s at ALL) and without
-    prepacked kernels (a second copy of every weight)."""
+    prepacked kernels (a second copy of every weight) unless `prepack`: graphs with MatMulNBits
+    need it (see prepacking_changes_numerics)."""
     so = session_options(threads)
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     return so
+
+
+def prepacking_changes_numerics(op_types: set[str]) -> bool:
+    """MatMulNBits runs its accuracy_level (int8 activations at level 4) only with prepacked weights;
+    unpacked it falls back to float32 compute (measured: SmolLM2 at level 4, max |logit diff| 0.49
+    prepacked vs 2.5e-05 unpacked). A check must run the kernels the runtime runs, so such graphs
+    are always opened with prepacking (their int4 weights are small)."""
+    return "MatMulNBits" in op_types
+
+
+def graph_op_types(path: str | Path) -> set[str]:
+    """The op types of an ONNX file, read without its external weights."""
+    import onnx
+
+    return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
 
 
 class ArtifactSessions:
@@ -89,7 +106,11 @@ class ArtifactSessions:
                 self._sessions[name] = qnn.session(path, provider="qnn", options=self.provider_options)
             else:
                 budgeted = self.max_resident_bytes is not None
-                opts = (reopenable_session_options if budgeted else session_options)(self.threads)
+                if budgeted:
+                    opts = reopenable_session_options(self.threads,
+                                                      prepack=prepacking_changes_numerics(graph_op_types(path)))
+                else:
+                    opts = session_options(self.threads)
                 if self.shared is not None:
                     self.shared.add_to(opts, Path(path))
                 self._sessions[name] = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
