@@ -41,6 +41,8 @@ def bench_decode(
     baseline: list[Path] = typer.Option([], "--baseline",
                                         help="another artifact of the model (e.g. the float one) for an ar row "
                                              "beside the target's, same prompts, interleaved (repeatable)"),
+    genai: Path | None = typer.Option(None, "--genai", help="an onnxruntime-genai model folder of the same model "
+                                      "(e.g. its builder's int4 CPU model) for an ar row, same prompt ids"),
     json_out: Path | None = typer.Option(None, "--json", help="write all numbers and tokens here"),
     provider: str = PROVIDER,
     threads: int | None = THREADS,
@@ -72,6 +74,15 @@ def bench_decode(
         why = "llama-cpp-python is not installed (pip install 'mobc\\[llamacpp]')" if not lcpp.available() \
             else "the target was not compiled from a GGUF"
         err.print(f"[yellow]no llama.cpp row:[/] {why}")
+    if genai is not None:
+        from toolchain.bench import genai_peer
+
+        if not genai_peer.available():
+            raise MobcError("--genai needs onnxruntime-genai: pip install onnxruntime-genai")
+        details = res["details"]["ar"]
+        ids = [target.tokenizer(texts[d["prompt"]]).input_ids for d in details]
+        res["genai"] = genai_peer.bench(genai, ids, [d["tokens"] for d in details], threads,
+                                        [d["output"] for d in details])
 
     title = (f"decode {res['target']} (draft {res['draft']}, γ={gamma}, T={temperature}) on "
              f"{res['prompts']} prompts; phone = {device}, target DRAM {target_dram:g}, draft DRAM {draft_dram:g}")
@@ -89,6 +100,11 @@ def bench_decode(
     if lc:
         table.add_row("llama.cpp ar", str(lc["tokens"]), f"{lc['tokens_per_s_cpu']:.1f}", "—", "—", "—", "—",
                       f"{lc['tokens_per_s_cpu'] / ar_row['tokens_per_s_cpu']:.2f}x", "—", "—")
+    ga = res.get("genai")
+    if ga:
+        table.add_row("onnxruntime-genai ar", str(ga["tokens"]), f"{ga['tokens_per_s_cpu']:.1f}", "—", "—", "—", "—",
+                      f"{ga['tokens_per_s_cpu'] / ar_row['tokens_per_s_cpu']:.2f}x", "—",
+                      f"{ga['identical_to_ar']}/{ga['prompts']}")
     console.print(table)
     if lc:
         console.print(f"mobc ar / llama.cpp ar (CPU decode tok/s): {lc['mobc_ar_over_llamacpp']:.2f}")

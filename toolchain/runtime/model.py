@@ -30,7 +30,7 @@ STEP_ROLES = ("decode", "prefill", "tree", "custom", "diffusion")
 class StepModel:
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
                  provider_options: dict[str, str] | None = None, io_binding: bool = True,
-                 share_weights: bool = False):
+                 share_weights: str = "unpacked"):
         self.folder = Path(folder)
         # sizes are checked now; weights not verified before are hashed while the sessions start
         # (toolchain/artifact/integrity.py) and the first call waits for that check
