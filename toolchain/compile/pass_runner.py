@@ -33,7 +33,11 @@ from toolchain.errors import MobcError, PassError
 from toolchain.ir import disk
 from toolchain.ir.graph import layer_of, weight_bytes
 from toolchain.ir.graphset import GraphEntry, GraphSet
-from toolchain.runtime.sessions import PART_BUDGET_BYTES, prepacking_changes_numerics, reopenable_session_options
+from toolchain.runtime.sessions import (
+    PART_BUDGET_BYTES,
+    prepacking_changes_numerics,
+    reopenable_session_options,
+)
 
 Feeds = dict[str, dict[str, np.ndarray]]
 

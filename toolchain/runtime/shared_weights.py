@@ -27,7 +27,6 @@ import onnxruntime as ort
 
 from toolchain.errors import ArtifactError
 
-
 # kernels that copy a constant weight input (index >= 1) into a layout of their own when prepacking
 PREPACKING_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulNBits", "FusedMatMul", "MatMulInteger",
                   "DynamicQuantizeMatMul", "QLinearMatMul", "QLinearConv", "FusedConv", "FusedGemm"}
