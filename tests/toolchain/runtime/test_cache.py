@@ -140,3 +140,18 @@ def test_move_slots_moves_rows_down_in_master_and_bound_buffers():
             past = CL - w
             np.testing.assert_array_equal(cache.buffers(w)[f"past_key_{i}"], cache.keys[i][..., :past])
             np.testing.assert_array_equal(cache.buffers(w)[f"past_value_{i}"], cache.values[i][:, :, :past])
+
+
+def test_a_commit_copies_rows_only_into_the_width_that_runs_next():
+    """AR decoding after a wide prefill: committed rows reach the decode width's past at its next
+    fill, and the idle wide width is brought up to date only when it runs again."""
+    cache = KVCache(layout(), rope())
+    wide_past = cache.buffers(4)["past_key_0"]
+    cache.buffers(1)
+    for t in range(3):
+        cache.commit(rows(1, t), [0])
+    assert not wide_past[..., :3].any()  # idle width: not copied on every commit
+    cache.fill([5], 1)
+    np.testing.assert_array_equal(cache.buffers(1)["past_key_0"][..., :3], cache.keys[0][..., :3])
+    cache.fill([5, 6], 4)
+    np.testing.assert_array_equal(wide_past[..., :3], cache.keys[0][..., :3])
