@@ -24,13 +24,15 @@ from toolchain.runtime.sessions import ArtifactSessions, BoundFamily
 from toolchain.runtime.tokenizer import Tokenizer
 
 # roles whose first stage is a full step graph (an lm_head or part stage never starts a family)
+# prompts of at most this many tokens may run token by token through the decode graph (prefill)
+SHORT_PROMPT_TOKENS = 8
 STEP_ROLES = ("decode", "prefill", "tree", "custom", "diffusion")
 
 
 class StepModel:
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
                  provider_options: dict[str, str] | None = None, io_binding: bool = True,
-                 share_weights: str = "unpacked"):
+                 share_weights: str = "none"):
         self.folder = Path(folder)
         # sizes are checked now; weights not verified before are hashed while the sessions start
         # (toolchain/artifact/integrity.py) and the first call waits for that check
@@ -185,6 +187,32 @@ class StepModel:
         return logits[-1]
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """Reset the cache and feed the prompt; returns the last prompt token's logits."""
+        """Reset the cache and feed the prompt; returns the last prompt token's logits.
+
+        The sessions of the prompt's windows and of decoding open together first (the first
+        generation of a process: its time to first token is mostly opening sessions)."""
         self.reset(stats=False)
+        if self._token_by_token(ids):
+            logits = None
+            for token in ids:
+                logits = self.forward([token])  # the narrowest graph: the decode family
+                self.commit([0])
+            return logits[-1]
+        widest = max(self.widths.values())
+        windows = {self.family_for(len(ids) % widest or widest), self.family_for(min(len(ids), widest))}
+        stages = [self.sessions.chain(f) for f in (*sorted(windows), self.decode_family)]
+        self.sessions.open_many([stage.name for chain in stages for stage in chain])
         return self.feed(ids)
+
+    def _token_by_token(self, ids: Sequence[int]) -> bool:
+        """A short prompt runs through the decode graph, one token per call, when a wider graph is
+        not open yet: opening one costs more than the calls (SmolLM2 int4: 0.6 s and a second copy
+        of the weights, vs ~30 ms per token). Not for quantized graphs, whose rounding depends on the
+        window layout that onnxruntime-genai bundles reproduce (see feed)."""
+        if len(ids) > SHORT_PROMPT_TOKENS or self.widths[self.decode_family] != 1 or len(ids) < 2:
+            return False
+        if any(g.quantization for g in self.manifest.graphs):
+            return False
+        widest = max(self.widths.values())
+        prompt_family = self.family_for(min(len(ids), widest))
+        return self.sessions.chain(prompt_family)[0].name not in self.sessions.open_names()

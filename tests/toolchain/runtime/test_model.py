@@ -47,3 +47,41 @@ def test_a_shifted_call_returns_and_commits_its_own_rows(tiny_artifact):
     model.commit([0, 2])  # rows 1 and 3 of the call: tokens 0 and 2
     rows = model._last[1]
     np.testing.assert_array_equal(model.cache.keys[0][..., :2], rows["new_key_0"][..., [1, 3]])
+
+
+def _spy_calls(monkeypatch) -> list[tuple[int, str]]:
+    calls = []
+    forward = StepModel.forward
+
+    def spy(self, tokens, *args, **kw):
+        calls.append((len(tokens), kw.get("family") or self.family_for(len(tokens))))
+        return forward(self, tokens, *args, **kw)
+
+    monkeypatch.setattr(StepModel, "forward", spy)
+    return calls
+
+
+def test_a_short_first_prompt_runs_through_the_decode_graph_alone(tiny_artifact, monkeypatch):
+    """No prompt-width session is opened for a 3-token prompt (its start-up and weights cost more
+    than three decode calls); the numbers are the windowed prefill's."""
+    windowed = StepModel(tiny_artifact)
+    windowed.sessions.open_many([s.name for f in ("prefill", "decode") for s in windowed.sessions.chain(f)])
+    ref = windowed.prefill(PROMPT[:3])  # a prompt-width session is open: the window path
+    model = StepModel(tiny_artifact)
+    calls = _spy_calls(monkeypatch)
+    last = model.prefill(PROMPT[:3])
+    assert calls == [(1, "decode")] * 3
+    assert model.sessions.open_names() == {s.name for s in model.sessions.chain("decode")}
+    np.testing.assert_allclose(last, ref, atol=1e-4)
+    model.prefill(PROMPT)  # a long prompt: windows of the widest graph, opened with the decode graph
+    assert calls[3:] == [(3, "prefill"), (4, "prefill"), (4, "prefill")]
+
+
+def test_open_many_opens_sessions_that_compute_what_lazy_ones_do(tiny_artifact):
+    eager, lazy = StepModel(tiny_artifact), StepModel(tiny_artifact)
+    names = [s.name for f in eager.widths for s in eager.sessions.chain(f)]
+    eager.sessions.open_many(names)
+    assert eager.sessions.open_names() == set(names)
+    for m in (eager, lazy):
+        m.reset()
+    np.testing.assert_array_equal(eager.forward(PROMPT[:4], family="prefill"), lazy.forward(PROMPT[:4], family="prefill"))
