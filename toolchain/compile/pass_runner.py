@@ -154,9 +154,21 @@ def _apply(p: Any, gs: GraphSet) -> GraphSet:
     return gs
 
 
-def _compare(name: str, before: dict, after: dict, tolerance: float) -> dict[str, dict[str, float]]:
+# outputs compared relative to their largest entry: the residual stream a split_lm_head artifact
+# exposes reaches |x| ~ 2e4 on SmolLM2's attention-sink token, where float32 reordering alone moves
+# it by ~1e-3 (the logits it leads to are still checked absolutely)
+RELATIVE_OUTPUTS = ("hidden",)
+
+
+def _scale(out: str, ref: np.ndarray) -> float:
+    if out in RELATIVE_OUTPUTS and ref.size:
+        return max(1.0, float(np.max(np.abs(ref))))
+    return 1.0
+
+
+def compare_outputs(name: str, before: dict, after: dict, tolerance: float) -> dict[str, dict[str, float]]:
     diffs: dict[str, dict[str, float]] = {}
-    worst = (0.0, "", "")
+    worst = (0.0, "", "")  # (diff / scale, family, output)
     for fam, ref in before.items():
         got = after[fam]
         missing = sorted(set(ref) - set(got))
@@ -171,11 +183,13 @@ def _compare(name: str, before: dict, after: dict, tolerance: float) -> dict[str
             if not np.isfinite(d):
                 d = float("inf")
             diffs[fam][out] = d
-            if d > worst[0] or worst[1] == "":
-                worst = (d, fam, out)
+            rel = d / _scale(out, a)
+            if rel > worst[0] or worst[1] == "":
+                worst = (rel, fam, out)
     if worst[0] > tolerance:
+        what = "relative to its largest entry " if worst[2] in RELATIVE_OUTPUTS else ""
         raise PassError(
-            f"pass {name!r} changed graph {worst[1]!r} output {worst[2]!r} by {worst[0]:.3g} "
+            f"pass {name!r} changed graph {worst[1]!r} output {worst[2]!r} {what}by {worst[0]:.3g} "
             f"(tolerance {tolerance:g}); remove the pass from the recipe or report a mobc bug"
         )
     return diffs
@@ -213,7 +227,7 @@ def run_passes(
             raise PassError(f"pass {name!r} failed: {why}") from exc
         seconds = time.perf_counter() - t0
         after = _run_all(graphset, feeds)
-        diffs = _compare(name, before, after, tolerance)
+        diffs = compare_outputs(name, before, after, tolerance)
         ops_after, bytes_after = _stats(graphset)
         worst_fam, worst_out, worst = "", "", 0.0
         for fam, d in diffs.items():
