@@ -144,21 +144,6 @@ def _convert_gather(graph: ir.Graph, node: ir.Node, fit: GridFit, block: int) ->
     graph.remove(node, safe=True)
 
 
-def _untie_float_head(graph: ir.Graph, node: ir.Node) -> bool:
-    """A float tied lm_head MatMul(x, Transpose(E)) reads a stored E^T instead: once the Gather reads
-    its own int8 table, E is only the head's, and onnxruntime would fold the Transpose at every
-    session start, holding E and E^T at once (SmolLM2: a 226 MB peak for a 113 MB head)."""
-    if node.op_type != "MatMul" or len(node.inputs) != 2 or const_array(node.inputs[1]) is not None:
-        return False
-    found = linear_weight(node)
-    if found is None:
-        return False
-    table, name = found
-    w = add_initializer(graph, f"{name}.T", np.ascontiguousarray(table.T))
-    node.replace_input_with(1, w)
-    return True
-
-
 @register("matmul_nbits")
 class MatMulNBits(GraphPass):
     runs_before = ("linear_to_conv", "check_htp")
@@ -187,8 +172,6 @@ class MatMulNBits(GraphPass):
                 fit = _table_fit(node, cfg.block_size)
                 if fit is not None:
                     _convert_gather(model.graph, node, fit, cfg.block_size)
-                    changed = True
-                elif _untie_float_head(model.graph, node):
                     changed = True
         if changed:
             model.opset_imports.setdefault(DOMAIN, 1)
