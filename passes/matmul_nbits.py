@@ -11,10 +11,6 @@ Rewrite rules (blocks of `block_size` along the input axis):
   - with `int8: true`, a weight on no int4 grid but on a symmetric int8 one (Q8_0: embeddings and
     lm_head) -> `MatMulNBits(x, q = k + 128, d)`, bits 8 (fast only with accuracy_level 4).
   - weights on no grid stay float MatMuls (a random-weight model has none on a grid).
-  - with `gather: true` (default), an embedding table on a symmetric int8 grid along its hidden axis
-    (Q8_0 token_embd) read by a Gather -> `GatherBlockQuantized(q = k + 128, d, zero point 128)`:
-    each row dequantizes to d*k, the float table's own values, at a quarter of the memory
-    (SmolLM2: 113 -> 30 MB per session holding it).
 `accuracy_level` is MatMulNBits' own: 0 computes in float32 (the float graph's semantics, the
 default), 4 quantizes activations to int8 inside the kernel (faster, no longer exact).
 Requires: MatMul weights (run it before linear_to_conv, or without it: this is the CPU form;
@@ -116,34 +112,6 @@ def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int
     graph.remove(node, safe=True)
 
 
-def _table_fit(node: ir.Node, block: int) -> GridFit | None:
-    """The symmetric int8 grid (blocks along the hidden axis) of a Gather's constant [V, C] table."""
-    if node.op_type != "Gather" or (node.attributes.get("axis") and node.attributes["axis"].value != 0):
-        return None
-    table = const_array(node.inputs[0])
-    if table is None or table.ndim != 2 or table.dtype != np.float32 or table.shape[1] % block:
-        return None
-    fit = fit_block_grid(table.T, block, "int8")
-    return fit if fit is not None and fit.offset is None else None
-
-
-def _convert_gather(graph: ir.Graph, node: ir.Node, fit: GridFit, block: int) -> None:
-    base = scope(node) or "embed_tokens"
-    data = add_initializer(graph, f"{base}.gbq_data", (fit.codes.T.astype(np.int16) + 128).astype(np.uint8))
-    scales = add_initializer(graph, f"{base}.gbq_scales", np.ascontiguousarray(fit.scale.T.astype(np.float32)))
-    zero = add_initializer(graph, f"{base}.gbq_zero_points", np.full(fit.scale.T.shape, 128, np.uint8))
-    out = node.outputs[0]
-    attrs = {"bits": 8, "block_size": block, "gather_axis": 0, "quantize_axis": 1}
-    new = new_node(graph, node, "GatherBlockQuantized", [data, node.inputs[1], scales, zero],
-                   f"{base}/GatherBlockQuantized", attrs, shape_of(out), ir.DataType.FLOAT)
-    new.domain = DOMAIN
-    y = new.outputs[0]
-    name = out.name
-    ir.convenience.replace_all_uses_with(out, y, replace_graph_outputs=True)
-    out.name, y.name = f"{name}__float", name
-    graph.remove(node, safe=True)
-
-
 @register("matmul_nbits")
 class MatMulNBits(GraphPass):
     runs_before = ("linear_to_conv", "check_htp")
@@ -155,7 +123,6 @@ class MatMulNBits(GraphPass):
         # 3.4x at level 4), so off by default
         int8: bool = False
         accuracy_level: int = 0  # 0: float32 compute (exact); 4: int8 activations in the kernel
-        gather: bool = True  # Q8_0 embedding tables as GatherBlockQuantized (exact, 1/4 of the bytes)
 
     def rewrite(self, model: ir.Model) -> bool:
         cfg = self.config
@@ -167,12 +134,6 @@ class MatMulNBits(GraphPass):
                 continue
             _convert(model.graph, node, fitted[0], fitted[1], cfg.block_size, cfg.accuracy_level)
             changed = True
-        if cfg.gather:
-            for node in list(model.graph):
-                fit = _table_fit(node, cfg.block_size)
-                if fit is not None:
-                    _convert_gather(model.graph, node, fit, cfg.block_size)
-                    changed = True
         if changed:
             model.opset_imports.setdefault(DOMAIN, 1)
             remove_unused(model)
@@ -183,8 +144,6 @@ class MatMulNBits(GraphPass):
             found = _weight(node)
             if found is not None and _fit(found, self.config.block_size, self.config.int8) is not None:
                 raise AssertionError(f"MatMul {node.name} has a weight on a block grid and was not converted")
-            if self.config.gather and _table_fit(node, self.config.block_size) is not None:
-                raise AssertionError(f"Gather {node.name} reads a table on an int8 block grid and was not converted")
             if node.op_type == "MatMulNBits":
                 a = {k: v.value for k, v in node.attributes.items()}
                 packed = const_array(node.inputs[1])

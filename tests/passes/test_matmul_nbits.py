@@ -118,19 +118,3 @@ def test_checks_run_the_kernels_the_runtime_runs():
     _on_grids(gs)
     with pytest.raises(PassError, match="matmul_nbits"):
         run_passes(gs, ["fold_constants", {"matmul_nbits": {"accuracy_level": 4}}], 1e-4, feeds)
-
-
-def test_q8_0_embedding_table_becomes_an_exact_gather_block_quantized():
-    gs, feeds = graphset_for("gemma3", (4,))
-    grids = _on_grids(gs)
-    assert "q8_0" in grids.values()  # the tied embedding
-    out, rows = run_passes(gs, ["fold_constants", "matmul_nbits"], 1e-4, feeds)
-    entry = next(iter(out.entries.values()))
-    gathers = [n for n in entry.model.graph if n.op_type == "GatherBlockQuantized"]
-    assert len(gathers) == 1 and not any(n.op_type == "Gather" and "embed" in n.name for n in entry.model.graph)
-    assert rows[-1]["worst"]["diff"] < 1e-4
-    q = const_array(gathers[0].inputs[0]).astype(np.float32) - 128
-    d = const_array(gathers[0].inputs[2])
-    table = (q.reshape(q.shape[0], -1, 32) * d[..., None]).reshape(q.shape)
-    emb = next(v for v in entry.model.graph.initializers.values() if v.name in grids and grids[v.name] == "q8_0")
-    np.testing.assert_array_equal(table, const_array(emb))  # the float table's own values, bit for bit
