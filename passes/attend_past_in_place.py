@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from passes.base import GraphPass, PassConfig
+from passes.base import GraphPass
 from passes.registry import register
 from toolchain.ir.graph import add_initializer, new_node, remove_unused, scope, shape_of
 
@@ -120,9 +120,6 @@ def _i64(values: list[int]) -> np.ndarray:
 @register("attend_past_in_place")
 class AttendPastInPlace(GraphPass):
     runs_before = ("check_htp",)
-
-    class Config(PassConfig):
-        pass
 
     def rewrite(self, model: ir.Model) -> bool:
         matches = [m for m in find_attention(model.graph) if worth_it(m)]

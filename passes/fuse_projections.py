@@ -21,9 +21,17 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
-from passes.base import GraphPass, PassConfig
+from passes.base import GraphPass
 from passes.registry import register
-from toolchain.ir.graph import add_initializer, const_array, new_node, remove_unused, scope, shape_of
+from toolchain.ir.graph import (
+    add_initializer,
+    const_array,
+    new_node,
+    remove_unused,
+    scope,
+    shape_of,
+    take_over,
+)
 
 
 def _constant_weight(node: ir.Node) -> np.ndarray | None:
@@ -67,18 +75,13 @@ def _fuse(graph: ir.Graph, nodes: list[ir.Node]) -> None:
         old = node.outputs[0]
         part.shape = ir.Shape(shape_of(old)[:-1] + [width])
         part.type = ir.TensorType(x.dtype)
-        ir.convenience.replace_all_uses_with(old, part, replace_graph_outputs=True)
-        name_of_old = old.name
-        old.name, part.name = f"{name_of_old}__unfused", name_of_old
+        take_over(old, part, "unfused")
         graph.remove(node, safe=True)
 
 
 @register("fuse_projections")
 class FuseProjections(GraphPass):
     runs_before = ("matmul_nbits", "linear_to_conv", "mha_to_sha", "check_htp")
-
-    class Config(PassConfig):
-        pass
 
     def rewrite(self, model: ir.Model) -> bool:
         groups = sibling_groups(model.graph)

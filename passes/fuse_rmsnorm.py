@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.base import GraphPass, PassConfig
+from passes.base import GraphPass
 from passes.registry import register
 from passes.scale_rmsnorm import match_rmsnorm
-from toolchain.ir.graph import const_array, new_node, remove_unused, scope, shape_of
+from toolchain.ir.graph import const_array, new_node, remove_unused, scope, shape_of, take_over
 
 
 def _last_axis_only(mean: ir.Node, rank: int) -> bool:
@@ -57,9 +57,6 @@ class FuseRmsNorm(GraphPass):
     runs_before = ("check_htp",)
     runs_after = ("scale_rmsnorm",)  # scale_rmsnorm's chains do not match; it is for the NPU
 
-    class Config(PassConfig):
-        pass
-
     def rewrite(self, model: ir.Model) -> bool:
         graph = model.graph
         found = [m for node in list(graph) if (m := match(node))]
@@ -68,10 +65,7 @@ class FuseRmsNorm(GraphPass):
             fused = new_node(graph, m["weight_mul"], "SimplifiedLayerNormalization", [x, m["weight"]],
                              f"{scope(m['pow']) or 'rmsnorm'}/SimplifiedLayerNormalization",
                              {"axis": -1, "epsilon": m["eps"], "stash_type": 1}, shape_of(out), x.dtype)
-            y = fused.outputs[0]
-            ir.convenience.replace_all_uses_with(out, y, replace_graph_outputs=True)
-            name = out.name
-            out.name, y.name = f"{name}__unfused", name  # the old chain is now dead: remove_unused drops it
+            take_over(out, fused.outputs[0], "unfused")  # the old chain is dead: remove_unused drops it
         if found:
             remove_unused(model)
         return bool(found)

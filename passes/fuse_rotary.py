@@ -18,9 +18,17 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from passes.base import GraphPass, PassConfig
+from passes.base import GraphPass
 from passes.registry import register
-from toolchain.ir.graph import add_initializer, const_array, new_node, remove_unused, scope, shape_of
+from toolchain.ir.graph import (
+    add_initializer,
+    const_array,
+    new_node,
+    remove_unused,
+    scope,
+    shape_of,
+    take_over,
+)
 
 DOMAIN = "com.microsoft"
 
@@ -116,9 +124,6 @@ def _cache(graph: ir.Graph, table: ir.Value, before: ir.Node, made: dict) -> ir.
 class FuseRotary(GraphPass):
     runs_before = ("check_htp",)
 
-    class Config(PassConfig):
-        pass
-
     def rewrite(self, model: ir.Model) -> bool:
         graph = model.graph
         found = [m for node in list(graph) if (m := match(node))]
@@ -131,10 +136,7 @@ class FuseRotary(GraphPass):
             node = new_node(graph, add, "RotaryEmbedding", [x, pos, cos, sin],
                             f"{scope(add) or 'rotary'}/RotaryEmbedding", {"interleaved": 0}, shape_of(x), x.dtype)
             node.domain = DOMAIN
-            out, y = add.outputs[0], node.outputs[0]
-            ir.convenience.replace_all_uses_with(out, y, replace_graph_outputs=True)
-            name = out.name
-            out.name, y.name = f"{name}__unfused", name  # the old rotation is dead now
+            take_over(add.outputs[0], node.outputs[0], "unfused")  # the old rotation is dead now
         if found:
             model.opset_imports.setdefault(DOMAIN, 1)
             remove_unused(model)

@@ -38,6 +38,7 @@ from toolchain.ir.graph import (
     remove_unused,
     scope,
     shape_of,
+    take_over,
 )
 
 _PUSH = {
@@ -149,9 +150,7 @@ class _Converter:
             if not users and v not in outputs:
                 continue
             back = self.from_nchw(self.nchw[v], shape_of(v), self.nchw[v].producer())
-            name = v.name
-            ir.convenience.replace_all_uses_with(v, back, replace_graph_outputs=True)
-            v.name, back.name = f"{name}__nchw", name
+            take_over(v, back, "nchw")
         for node in reversed(self.replaced):
             if not any(o.uses() for o in node.outputs):
                 self.graph.remove(node, safe=True)

@@ -36,6 +36,7 @@ from toolchain.ir.graph import (
     remove_unused,
     scope,
     shape_of,
+    take_over,
 )
 
 DOMAIN = "com.microsoft"
@@ -106,9 +107,7 @@ def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int
                         lead + [c // block], x.dtype).outputs[0]
         off = new_node(graph, node, "MatMul", [sums, cb], f"{base}/block_offset", None, full, x.dtype).outputs[0]
         y = new_node(graph, node, "Add", [y, off], f"{base}/with_offset", None, full, x.dtype).outputs[0]
-    name = out.name
-    ir.convenience.replace_all_uses_with(out, y, replace_graph_outputs=True)
-    out.name, y.name = f"{name}__float", name
+    take_over(out, y, "float")
     graph.remove(node, safe=True)
 
 

@@ -41,6 +41,7 @@ from toolchain.ir.graph import (
     remove_unused,
     scope,
     shape_of,
+    take_over,
     unique_value_name,
 )
 
@@ -268,10 +269,7 @@ class _Rewriter:
                 continue
             hd = self.heads[v]
             merged = self._concat(node, hd, shape_of(v), v.dtype)
-            name = v.name
-            ir.convenience.replace_all_uses_with(v, merged, replace_graph_outputs=True)
-            v.name = f"{name}__mha"
-            merged.name = name
+            take_over(v, merged, "mha")
 
     def _concat(self, node: ir.Node, hd: Heads, full: list[int], dtype) -> ir.Value:
         values = hd.copies

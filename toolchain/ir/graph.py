@@ -171,6 +171,15 @@ def shape_of(value: ir.Value) -> list[int]:
     return [int(d) for d in value.shape]
 
 
+def take_over(old: ir.Value, new: ir.Value, suffix: str) -> None:
+    """`new` replaces `old` everywhere (graph outputs too) and takes its name, so graph I/O names
+    and the names later passes look for stay put; `old` is renamed `<name>__<suffix>` until it is
+    dropped as dead."""
+    name = old.name
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    old.name, new.name = f"{name}__{suffix}", name
+
+
 def remove_unused(model: ir.Model) -> None:
     RemoveUnusedNodesPass()(model)
 

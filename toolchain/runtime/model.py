@@ -23,16 +23,16 @@ from toolchain.runtime.cache import KVCache
 from toolchain.runtime.sessions import ArtifactSessions, BoundFamily
 from toolchain.runtime.tokenizer import Tokenizer
 
-# roles whose first stage is a full step graph (an lm_head or part stage never starts a family)
 # prompts of at most this many tokens may run token by token through the decode graph (prefill)
 SHORT_PROMPT_TOKENS = 8
+# roles whose first stage is a full step graph (an lm_head or part stage never starts a family)
 STEP_ROLES = ("decode", "prefill", "tree", "custom", "diffusion")
 
 
 class StepModel:
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
                  provider_options: dict[str, str] | None = None, io_binding: bool = True,
-                 share_weights: str = "none"):
+                 share_weights: bool = False):
         self.folder = Path(folder)
         # sizes are checked now; weights not verified before are hashed while the sessions start
         # (toolchain/artifact/integrity.py) and the first call waits for that check
@@ -198,11 +198,14 @@ class StepModel:
                 logits = self.forward([token])  # the narrowest graph: the decode family
                 self.commit([0])
             return logits[-1]
-        widest = max(self.widths.values())
-        windows = {self.family_for(len(ids) % widest or widest), self.family_for(min(len(ids), widest))}
-        stages = [self.sessions.chain(f) for f in (*sorted(windows), self.decode_family)]
+        stages = [self.sessions.chain(f) for f in (*self._window_families(len(ids)), self.decode_family)]
         self.sessions.open_many([stage.name for chain in stages for stage in chain])
         return self.feed(ids)
+
+    def _window_families(self, n: int) -> list[str]:
+        """The families `feed` runs an n-token prompt's windows through (the remainder's, the widest)."""
+        widest = max(self.widths.values())
+        return sorted({self.family_for(n % widest or widest), self.family_for(min(n, widest))})
 
     def _token_by_token(self, ids: Sequence[int]) -> bool:
         """A short prompt runs through the decode graph, one token per call, when a wider graph is
@@ -213,6 +216,5 @@ class StepModel:
             return False
         if any(g.quantization for g in self.manifest.graphs):
             return False
-        widest = max(self.widths.values())
-        prompt_family = self.family_for(min(len(ids), widest))
+        prompt_family = self.family_for(min(len(ids), max(self.widths.values())))
         return self.sessions.chain(prompt_family)[0].name not in self.sessions.open_names()

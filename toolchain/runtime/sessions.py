@@ -23,7 +23,6 @@ from toolchain.runtime.shared_weights import SharedWeights
 
 # Weight bytes a memory-bounded user of an artifact (the compile's checks, calibration) keeps in open
 # sessions; parts are cut to about this size, so a 8B model is checked one part at a time.
-SHARE_MODES = ("unpacked", "all", "none")
 PART_BUDGET_BYTES = float(os.environ.get("MOBC_PART_BUDGET_BYTES", 1.0e9))
 
 
@@ -67,23 +66,16 @@ class ArtifactSessions:
 
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None,
                  provider_options: dict[str, str] | None = None, max_resident_bytes: float | None = None,
-                 share_weights: str = "none"):
+                 share_weights: bool = False):
         """max_resident_bytes: keep at most about this many weight bytes in open sessions, closing
         the least recently used ones (the compile's checks of multi-GB models); None keeps all.
-        share_weights: which weights CPU sessions read from one memory map (toolchain/runtime/shared_weights.py):
-        "none" (default) each session reads its own copy, "unpacked" those no kernel repacks (embedding
-        tables, norms; prepacking stays on), "all" every weight with prepacking off. Neither pays on
-        SmolLM2 int4 (two sessions: 691 vs 676 MB peak for "unpacked", and reading the graphs' initializer
-        lists imports onnx, +0.6 s of start-up). "all" does not
-        pay on SmolLM2 (1 thread, 2 widths open): Conv graphs gain nothing (1.88 vs 1.84 GB max RSS:
-        onnxruntime re-lays Conv weights out per session anyway) and MatMulNBits needs prepacking
-        (3.8 vs 28.7 tok/s without it)."""
-        if share_weights not in SHARE_MODES:
-            raise ValueError(f"share_weights must be one of {SHARE_MODES}, not {share_weights!r}")
+        share_weights: CPU sessions read one memory map of the weights (toolchain/runtime/shared_weights.py).
+        Off by default, by measurement on SmolLM2 (1 thread, 2 widths open): Conv graphs gain nothing
+        (1.88 vs 1.84 GB max RSS: onnxruntime re-lays Conv weights out per session anyway) and
+        MatMulNBits needs prepacking (3.8 vs 28.7 tok/s without it)."""
         self.folder = Path(folder)
         self.max_resident_bytes = max_resident_bytes
-        share = share_weights != "none" and max_resident_bytes is None and provider == "cpu"
-        self.shared = SharedWeights(prepacking=share_weights == "unpacked") if share else None
+        self.shared = SharedWeights() if share_weights and max_resident_bytes is None else None
         self.manifest = Manifest.load(self.folder)
         self.provider = provider
         self.threads = threads

@@ -7,16 +7,11 @@ added more. Widths (and the parts of one width) name the same bytes of weights.b
 same mapped bytes through `SessionOptions.add_initializer`, every session reads the page cache's
 one copy (prepacking, which would copy each weight into a kernel layout per session, is off).
 
-Two modes:
-- all (`prepacking=False`): every weight is shared and prepacking is off. It pays only where kernels
-  read the initializers as they are (MatMul graphs: four widths over 32 MB hold one copy,
-  tests/toolchain/runtime/test_shared_weights.py); measured on SmolLM2 it does not: the NPU graphs'
-  Conv weights are re-laid out per session anyway, and MatMulNBits runs 7x slower unpacked.
-- unpacked only (`prepacking=True`, ArtifactSessions' share_weights="unpacked"): only the weights no
-  kernel repacks are shared (embedding tables read by Gather, norm weights, ...), prepacking stays
-  on for the rest. A Gather reads a few rows of its table per call, so a mapped table costs the
-  pages of the tokens seen, not its size. Measured on SmolLM2 int4 it did not lower the peak
-  (two sessions, 691 vs 676 MB), so it is not the default either.
+It pays only where kernels read the initializers as they are (MatMul graphs: four widths over
+32 MB hold one copy, tests/toolchain/runtime/test_shared_weights.py). Measured on SmolLM2 it does
+not pay: the NPU graphs' Conv weights are re-laid out per session by onnxruntime's optimizer
+anyway, and MatMulNBits runs 7x slower without prepacking; so ArtifactSessions uses it only
+when asked (share_weights=True).
 """
 
 from __future__ import annotations
@@ -28,21 +23,15 @@ import onnxruntime as ort
 
 from toolchain.errors import ArtifactError
 
-# kernels that copy a constant weight input (index >= 1) into a layout of their own when prepacking
-PREPACKING_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulNBits", "FusedMatMul", "MatMulInteger",
-                  "DynamicQuantizeMatMul", "QLinearMatMul", "QLinearConv", "FusedConv", "FusedGemm"}
 
-
-def external_initializers(graph_path: Path, skip_prepacked: bool = False):
+def external_initializers(graph_path: Path):
     """(name, numpy dtype, dims, external-data fields) of every initializer a graph keeps in another
-    file; reads the graph protobuf only (its weights stay in their file). skip_prepacked leaves out
-    the weights a prepacking kernel consumes."""
+    file; reads the graph protobuf only (its weights stay in their file)."""
     import onnx
 
     model = onnx.load(str(graph_path), load_external_data=False)
-    packed = {name for n in model.graph.node if n.op_type in PREPACKING_OPS for name in n.input[1:]}
     for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL and not (skip_prepacked and t.name in packed):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
             info = {e.key: e.value for e in t.external_data}
             yield t.name, onnx.helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims), info
 
@@ -51,8 +40,7 @@ class SharedWeights:
     """Must outlive every session it was added to: they read its mapped buffers (ArtifactSessions
     holds it for exactly that)."""
 
-    def __init__(self, prepacking: bool = False) -> None:
-        self.prepacking = prepacking
+    def __init__(self) -> None:
         self._maps: dict[Path, np.memmap] = {}
         self._alive: list[object] = []  # onnxruntime reads these buffers for the sessions' lifetime
 
@@ -65,7 +53,7 @@ class SharedWeights:
     def add_to(self, so: ort.SessionOptions, graph_path: Path) -> int:
         """Adds every external initializer of the graph to `so`; returns how many."""
         n = 0
-        for name, dtype, dims, info in external_initializers(graph_path, skip_prepacked=self.prepacking):
+        for name, dtype, dims, info in external_initializers(graph_path):
             data = self._map(graph_path.parent / info["location"])
             offset, length = int(info.get("offset", 0)), int(info.get("length", 0))
             if offset + length > data.size:
@@ -77,6 +65,5 @@ class SharedWeights:
             so.add_initializer(name, value)
             self._alive.append(value)
             n += 1
-        if not self.prepacking:
-            so.add_session_config_entry("session.disable_prepacking", "1")
+        so.add_session_config_entry("session.disable_prepacking", "1")
         return n

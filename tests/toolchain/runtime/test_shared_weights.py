@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 from onnx import TensorProto, helper
 
 from toolchain.runtime.shared_weights import SharedWeights
@@ -114,42 +113,3 @@ def test_packed_int4_weights_are_left_to_onnxruntime(tmp_path):
     a = np.ones((1, 256), np.float32)
     y = ort.InferenceSession(str(tmp_path / "q.onnx"), so).run(None, {"A": a})[0]
     np.testing.assert_allclose(y, a @ (codes.astype(np.float32) * 0.5), rtol=1e-5)
-
-
-def _gather_graph(folder, width: int):
-    """Gather from a 32 MB table (an embedding) into a MatMul with a small weight."""
-    def external(name, dims, offset):
-        t = onnx.TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims, data_location=onnx.TensorProto.EXTERNAL)
-        for k, v in (("location", "weights.bin"), ("offset", str(offset)), ("length", str(4 * dims[0] * dims[1]))):
-            e = t.external_data.add()
-            e.key, e.value = k, v
-        return t
-
-    nodes = [helper.make_node("Gather", ["E", "ids"], ["x"]), helper.make_node("MatMul", ["x", "W"], ["Y"])]
-    g = helper.make_graph(nodes, f"g{width}", [helper.make_tensor_value_info("ids", TensorProto.INT64, [width])],
-                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [width, 64])],
-                          [external("E", [COLS, ROWS], 0), external("W", [ROWS, 64], 4 * ROWS * COLS)])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    path = folder / f"g{width}.onnx"
-    onnx.save(model, str(path))
-    return path
-
-
-def test_unpacked_mode_shares_tables_and_leaves_prepacked_weights(tmp_path):
-    """The runtime's default: the embedding table is one mapped copy for every session (a Gather
-    reads its rows in place), the MatMul weight is left to onnxruntime (which prepacks it)."""
-    rng = np.random.default_rng(0)
-    e = rng.standard_normal((COLS, ROWS)).astype(np.float32)
-    w = rng.standard_normal((ROWS, 64)).astype(np.float32)
-    (tmp_path / "weights.bin").write_bytes(e.tobytes() + w.tobytes())
-    paths = [_gather_graph(tmp_path, n) for n in (1, 4)]
-    shared = SharedWeights(prepacking=True)
-    for p, n in zip(paths, (1, 4), strict=True):
-        so = ort.SessionOptions()
-        assert shared.add_to(so, p) == 1  # E only
-        with pytest.raises(RuntimeError, match="does not have configuration"):
-            so.get_session_config_entry("session.disable_prepacking")  # prepacking stays on
-        ids = rng.integers(0, COLS, n)
-        y = ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
-        np.testing.assert_allclose(y, e[ids] @ w, rtol=1e-4, atol=1e-3)
