@@ -1,12 +1,13 @@
 """Graph passes over onnx_ir, one pass per file; importing this package registers them all."""
 
-from passes.registry import PASSES, build, check_order, register
+from passes.registry import PASSES, argmax_exact_outputs, build, check_order, register
 
-__all__ = ["PASSES", "build", "check_order", "register"]
+__all__ = ["PASSES", "argmax_exact_outputs", "build", "check_order", "register"]
 
 # importing a pass module registers it
 from passes import (  # noqa: E402,F401
     attend_past_in_place,
+    certified_lm_head,
     check_htp,
     fold_constants,
     forecast_inputs,

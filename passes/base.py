@@ -36,6 +36,8 @@ class PassSpec:
     Config: ClassVar[type[PassConfig]] = PassConfig
     runs_after: ClassVar[tuple[str, ...]] = ()
     runs_before: ClassVar[tuple[str, ...]] = ()
+    # outputs this pass relaxes to argmax-exact (toolchain/compile/contracts.py), from it on
+    argmax_exact_outputs: ClassVar[tuple[str, ...]] = ()
     config: Any
 
     def _init_config(self, config: PassConfig | None) -> None:

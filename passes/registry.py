@@ -76,3 +76,8 @@ def check_order(specs: list) -> list[Any]:
                 raise PassError(f"passes.{i}: {p.pass_name} must run before {other}; "
                                 f"list {p.pass_name} before {other} in the recipe's passes")
     return built
+
+
+def argmax_exact_outputs(specs: list) -> set[str]:
+    """The outputs a recipe's passes relax to argmax-exact (toolchain/compile/contracts.py)."""
+    return {out for p in check_order(specs) for out in p.argmax_exact_outputs}

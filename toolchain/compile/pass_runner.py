@@ -29,6 +29,7 @@ from rich.table import Table
 from passes.base import GraphSetPass
 from passes.registry import check_order
 from toolchain.artifact.chain import run_chain
+from toolchain.compile.contracts import argmax_exact_diff
 from toolchain.errors import MobcError, PassError
 from toolchain.ir import disk
 from toolchain.ir.graph import layer_of, weight_bytes
@@ -166,7 +167,10 @@ def _scale(out: str, ref: np.ndarray) -> float:
     return 1.0
 
 
-def compare_outputs(name: str, before: dict, after: dict, tolerance: float) -> dict[str, dict[str, float]]:
+def compare_outputs(name: str, before: dict, after: dict, tolerance: float,
+                    argmax_exact: frozenset[str] = frozenset()) -> dict[str, dict[str, float]]:
+    """max |diff| per family and output (outputs in `argmax_exact`: at each row's argmax, see
+    toolchain/compile/contracts.py); raises PassError when the worst exceeds the tolerance."""
     diffs: dict[str, dict[str, float]] = {}
     worst = (0.0, "", "")  # (diff / scale, family, output)
     for fam, ref in before.items():
@@ -179,7 +183,10 @@ def compare_outputs(name: str, before: dict, after: dict, tolerance: float) -> d
             b = got[out]
             if a.shape != b.shape:
                 raise PassError(f"pass {name!r} changed the shape of {fam}.{out}: {a.shape} -> {b.shape}")
-            d = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+            if out in argmax_exact:
+                d = argmax_exact_diff(a, b, tolerance)
+            else:
+                d = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
             if not np.isfinite(d):
                 d = float("inf")
             diffs[fam][out] = d
@@ -188,6 +195,8 @@ def compare_outputs(name: str, before: dict, after: dict, tolerance: float) -> d
                 worst = (rel, fam, out)
     if worst[0] > tolerance:
         what = "relative to its largest entry " if worst[2] in RELATIVE_OUTPUTS else ""
+        if worst[2] in argmax_exact:
+            what = "at its argmax (or moved the argmax) "
         raise PassError(
             f"pass {name!r} changed graph {worst[1]!r} output {worst[2]!r} {what}by {worst[0]:.3g} "
             f"(tolerance {tolerance:g}); remove the pass from the recipe or report a mobc bug"
@@ -206,8 +215,10 @@ def run_passes(
     passes = check_order(specs)
     rows: list[dict] = []
     before = _run_all(graphset, feeds)
+    argmax_exact: frozenset[str] = frozenset()
     for p in passes:
         name = p.pass_name
+        argmax_exact |= frozenset(p.argmax_exact_outputs)  # this pass's and every later pass's check
         ops_before, bytes_before = _stats(graphset)
         graphs_before = sorted(graphset.entries)
         t0 = time.perf_counter()
@@ -227,7 +238,7 @@ def run_passes(
             raise PassError(f"pass {name!r} failed: {why}") from exc
         seconds = time.perf_counter() - t0
         after = _run_all(graphset, feeds)
-        diffs = compare_outputs(name, before, after, tolerance)
+        diffs = compare_outputs(name, before, after, tolerance, argmax_exact)
         ops_after, bytes_after = _stats(graphset)
         worst_fam, worst_out, worst = "", "", 0.0
         for fam, d in diffs.items():

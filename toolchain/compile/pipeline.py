@@ -97,10 +97,12 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
     # one part's sessions at a time when the model is large (parts are cut to ~PART_BUDGET_BYTES)
     sessions = ArtifactSessions(folder, max_resident_bytes=PART_BUDGET_BYTES)
     families: dict[str, Any] = {}
+    argmax_exact = frozenset(pass_registry.argmax_exact_outputs(recipe.passes))
     for family, case in cases.items():
         # the check fails inside its stage, so a failing family is never shown as done
         with timer.stage(f"verify {family} vs transformers"):
-            figures = compare(sessions.run_family(family, case.feeds), case.expected)
+            figures = compare(sessions.run_family(family, case.feeds), case.expected, argmax_exact,
+                              recipe.tolerance.max_abs)
             block = recipe.graph_role(family) == "diffusion" and loaded.diffusion
             figures["past_len"] = case.past_len
             figures["mask"] = "bidirectional block, ~half mask tokens" if block else "random tree over the new tokens"

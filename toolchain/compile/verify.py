@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from toolchain.artifact.layout import MASK_MIN, StepLayout
+from toolchain.compile.contracts import argmax_exact_diff
 from toolchain.errors import VerificationError
 from toolchain.runtime.cache import KVCache
 
@@ -111,8 +112,11 @@ def reference_case(model: Any, tokens: list[int], layout: StepLayout, rope: dict
     return Case(feeds=feeds, expected=expected, past_len=past_len, tree_depths=list(depths))
 
 
-def compare(outputs: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> dict[str, Any]:
-    """max |diff| for logits and (worst over layers) the new K/V rows.
+def compare(outputs: dict[str, np.ndarray], expected: dict[str, np.ndarray],
+            argmax_exact: frozenset[str] = frozenset(), tie: float = 0.0) -> dict[str, Any]:
+    """max |diff| for logits and (worst over layers) the new K/V rows; for outputs in
+    `argmax_exact` (a recipe with certified_lm_head) the diff at each row's argmax, and a moved
+    argmax counts as infinite (toolchain/compile/contracts.py), the full diff reported beside it.
 
     A non-finite output or difference (NaN, inf) counts as an infinite difference: `max` over
     NaN is NaN, and NaN > tolerance is False, so without this a graph emitting NaN would pass."""
@@ -129,11 +133,16 @@ def compare(outputs: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> 
             diffs[name] = float("inf")
         else:
             diffs[name] = float(d.max()) if d.size else 0.0
+    figures: dict[str, Any] = {}
+    if "logits" in argmax_exact and "logits" not in non_finite:
+        figures = {"logits_contract": "argmax-exact", "logits_max_abs_all": diffs["logits"]}
+        diffs["logits"] = argmax_exact_diff(np.asarray(expected["logits"]), np.asarray(outputs["logits"]), tie)
     kv = [v for k, v in diffs.items() if k.startswith("new_")]
     worst = max(diffs, key=diffs.get)
     return {"logits_max_abs": diffs["logits"], "kv_max_abs": max(kv) if kv else 0.0,
             "worst_output": worst, "worst_max_abs": diffs[worst], "non_finite": non_finite,
-            "argmax_agree": float((outputs["logits"].argmax(-1) == expected["logits"].argmax(-1)).mean())}
+            "argmax_agree": float((outputs["logits"].argmax(-1) == expected["logits"].argmax(-1)).mean()),
+            **figures}
 
 
 def check_tolerance(family: str, figures: dict[str, Any], tol: float) -> None:

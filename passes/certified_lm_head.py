@@ -1,0 +1,198 @@
+"""certified_lm_head: a Q8_0 lm_head as fast 8-bit MatMulNBits whose argmax is proven exact per call.
+
+The float lm_head is the largest single weight of a small model's CPU step (SmolLM2: 49152 x 576,
+113 MB of float32 read every token, 7-9 ms of a 35 ms int4 step, and 108 MB of resident memory).
+onnxruntime's 8-bit MatMulNBits is fast only at accuracy_level 4, which quantizes the activation
+to int8 per block of 32 and so moves every logit a little. This pass keeps greedy decoding exact
+anyway, by bounding that move and rescoring the candidates it could affect:
+
+    approx  = MatMulNBits(x, Q8_0 codes of E, level 4)                 [M, V], fast
+    C       = TopK(approx, K)                                           candidate tokens
+    exact_C = x . E[C]  (float32 rows of the float table, the float graph's own weights)
+    bound_j = sum_b (max|x_b| / 254) * |d_bj| * sum_i |k_bij|          >= |approx_j - x.e_j|
+    certified (per row) iff  max_{j not in C} (approx_j + bound_j) < max exact_C
+    logits  = If(all rows certified, approx with exact_C scattered in, float x @ E^T)
+
+Why the bound holds: level 4 rounds x_b to s_b * round(x_b / s_b) with s_b = max|x_b| / 127, so
+each activation moves by at most s_b / 2, and a weight row's logit by at most that times the block's
+sum of |w| (the weights are the GGUF's own Q8_0 codes, exactly the float table's values). It is
+scaled by 1.05 and padded by 1e-3 to cover the kernel's float32 accumulation. When it holds, no
+token outside C can beat the best rescored one, so argmax(logits) is the float graph's argmax;
+when it does not (rare: a near tie spread over more than K tokens), the call falls back to the
+exact float product for all its rows. The float table E is the embedding Gather's own initializer
+(the tied head), read only at the K gathered rows and in the fallback, so it is not resident.
+
+The contract changes: `logits` is argmax-exact (each row's argmax and its value equal the float
+graph's) while the other entries are within the bound; the pass runner and the compile's check
+against transformers verify exactly that for a recipe with this pass (argmax_exact_outputs).
+A CPU pass (com.microsoft MatMulNBits; check_htp refuses it). Requires: the lm_head as
+MatMul(x, Transpose(E)) or MatMul(x, W) with W on a Q8_0 grid, producing the graph output `logits`.
+Ensures: `logits` comes out of the certificate's If node, and no float MatMul computes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.base import GraphPass, PassConfig
+from passes.matmul_nbits import DOMAIN, pack_codes
+from passes.registry import register
+from toolchain.ir.block_grid import fit_block_grid
+from toolchain.ir.graph import add_initializer, linear_weight, new_node, remove_unused, shape_of, take_over
+
+OUTPUT = "logits"
+BOUND_SCALE = 1.05
+BOUND_PAD = 1e-3
+
+
+def _lm_head(graph: ir.Graph) -> ir.Node | None:
+    """The MatMul producing the graph output `logits` (directly or through one Reshape)."""
+    out = next((v for v in graph.outputs if v.name == OUTPUT), None)
+    node = out.producer() if out is not None else None
+    if node is not None and node.op_type == "Reshape":
+        node = node.inputs[0].producer()
+    return node if node is not None and linear_weight(node) is not None else None
+
+
+def _table(graph: ir.Graph, node: ir.Node, e: np.ndarray, name: str) -> ir.Value:
+    """The float [V, C] table to gather candidate rows from: the tied head's own initializer
+    (the embedding's), else an initializer holding the same bytes, else a new one."""
+    w = node.inputs[1]
+    if w.producer() is not None:  # Transpose(E): E is the embedding table itself
+        return w.producer().inputs[0]
+    for value in graph.initializers.values():
+        arr = value.const_value.numpy() if value.const_value is not None else None
+        if arr is not None and arr.shape == e.shape and arr.dtype == e.dtype and np.array_equal(arr, e):
+            return value
+    return add_initializer(graph, f"{name}.rows", e)
+
+
+def _branch(name: str, value: ir.Value, out_name: str) -> ir.Graph:
+    """A subgraph returning outer-scope `value` unchanged (the If's certified branch)."""
+    node = ir.Node("", "Identity", [value], name=f"{name}/identity")
+    out = node.outputs[0]
+    out.name, out.shape, out.type = out_name, value.shape, value.type
+    return ir.Graph([], [out], nodes=[node], name=name)
+
+
+def _fallback(name: str, e: ir.Value, x2: ir.Value, m: int, v: int) -> ir.Graph:
+    """A subgraph computing the float logits x @ E^T as (E @ x^T)^T: E stays the MatMul's first
+    input, so onnxruntime neither folds a transposed copy nor prepacks it at session start."""
+    xt = ir.Node("", "Transpose", [x2], attributes=[ir.AttrInt64s("perm", [1, 0])], name=f"{name}/xt")
+    xt.outputs[0].name = f"{name}_xt"
+    mm = ir.Node("", "MatMul", [e, xt.outputs[0]], name=f"{name}/matmul")
+    mm.outputs[0].name = f"{name}_vm"
+    back = ir.Node("", "Transpose", [mm.outputs[0]], attributes=[ir.AttrInt64s("perm", [1, 0])],
+                   name=f"{name}/back")
+    out = back.outputs[0]
+    out.name, out.shape, out.type = f"{name}_logits", ir.Shape([m, v]), ir.TensorType(ir.DataType.FLOAT)
+    return ir.Graph([], [out], nodes=[xt, mm, back], name=name)
+
+
+def _rewrite(graph: ir.Graph, node: ir.Node, cfg: PassConfig) -> bool:
+    e, wname = linear_weight(node)  # [V, C]
+    v, c = e.shape
+    block = cfg.block_size
+    fit = fit_block_grid(np.ascontiguousarray(e.T), block, "int8") if c % block == 0 else None
+    if fit is None or fit.offset is not None:
+        return False
+    x = node.inputs[0]
+    lead = shape_of(x)[:-1]
+    m = math.prod(lead)
+    k = min(cfg.candidates, v - 1)
+    base = f"{wname}.q8"
+    f32, i64 = ir.DataType.FLOAT, ir.DataType.INT64
+
+    def const(label: str, array) -> ir.Value:
+        return add_initializer(graph, f"certified_lm_head.{label}", np.asarray(array))
+
+    def op(kind: str, inputs: list, label: str, shape: list[int], dtype=f32, attrs=None, outs=1) -> ir.Node:
+        return new_node(graph, node, kind, inputs, f"lm_head_certified/{label}", attrs, shape, dtype, outs)
+
+    q = add_initializer(graph, f"{base}.codes", pack_codes(fit.codes, 8, block))
+    d = add_initializer(graph, f"{base}.scales", np.ascontiguousarray(fit.scale.T).reshape(-1))
+    # per-block |d| * sum|k| for every output row, pre-scaled: bound = (max|x_b|) @ this
+    weight_l1 = np.abs(fit.scale) * np.abs(fit.codes.astype(np.float32)).reshape(c // block, block, v).sum(1)
+    bound_w = add_initializer(graph, f"{base}.bound", (weight_l1 * (BOUND_SCALE / 254.0)).astype(np.float32))
+    table = _table(graph, node, e, wname)
+
+    x2 = op("Reshape", [x, const(f"shape.{m}x{c}", [m, c])], "rows", [m, c]).outputs[0]
+    approx = op("MatMulNBits", [x2, q, d], "approx", [m, v],
+                attrs={"K": c, "N": v, "bits": 8, "block_size": block, "accuracy_level": 4})
+    approx.domain = DOMAIN
+    approx = approx.outputs[0]
+    top = op("TopK", [approx, const(f"k.{k}", [k])], "candidates", [m, k], attrs={"axis": 1}, outs=2)
+    idx = top.outputs[1]
+    idx.shape, idx.type = ir.Shape([m, k]), ir.TensorType(i64)
+    rows = op("Gather", [table, idx], "candidate_rows", [m, k, c]).outputs[0]
+    xcol = op("Reshape", [x2, const(f"shape.{m}x{c}x1", [m, c, 1])], "column", [m, c, 1]).outputs[0]
+    exact = op("MatMul", [rows, xcol], "rescore", [m, k, 1]).outputs[0]
+    exact = op("Reshape", [exact, const(f"shape.{m}x{k}", [m, k])], "exact", [m, k]).outputs[0]
+    axis1 = const("axes.1", [1])
+    best = op("ReduceMax", [exact, axis1], "best", [m, 1], attrs={"keepdims": 1}).outputs[0]
+
+    blocks = op("Reshape", [x2, const(f"shape.{m}x{c // block}x{block}", [m, c // block, block])],
+                "blocks", [m, c // block, block]).outputs[0]
+    amax = op("ReduceMax", [op("Abs", [blocks], "abs", [m, c // block, block]).outputs[0], const("axes.2", [2])],
+              "block_max", [m, c // block], attrs={"keepdims": 0}).outputs[0]
+    bound = op("MatMul", [amax, bound_w], "bound", [m, v]).outputs[0]
+    upper = op("Add", [op("Add", [approx, bound], "upper_raw", [m, v]).outputs[0], const("pad", np.float32(BOUND_PAD))],
+               "upper", [m, v]).outputs[0]
+    floor = op("Expand", [const("minus_inf", np.float32(-np.inf)), const(f"shape.{m}x{k}", [m, k])],
+               "floor", [m, k]).outputs[0]
+    others = op("ScatterElements", [upper, idx, floor], "others", [m, v], attrs={"axis": 1}).outputs[0]
+    rival = op("ReduceMax", [others, axis1], "rival", [m, 1], attrs={"keepdims": 1}).outputs[0]
+    row_ok = op("Less", [rival, best], "row_certified", [m, 1], dtype=ir.DataType.BOOL).outputs[0]
+    as_float = op("Cast", [row_ok], "row_certified_f", [m, 1], attrs={"to": int(f32)}).outputs[0]
+    all_ok = op("ReduceMin", [as_float], "all_certified_f", [], attrs={"keepdims": 0}).outputs[0]
+    cond = op("Cast", [all_ok], "all_certified", [], dtype=ir.DataType.BOOL,
+              attrs={"to": int(ir.DataType.BOOL)}).outputs[0]
+    certified = op("ScatterElements", [approx, idx, exact], "certified", [m, v], attrs={"axis": 1}).outputs[0]
+
+    choose = ir.Node("", "If", [cond], attributes=[
+        ir.AttrGraph("then_branch", _branch("lm_head_certified_then", certified, "lm_head_certified_then_out")),
+        ir.AttrGraph("else_branch", _fallback("lm_head_float_fallback", table, x2, m, v)),
+    ], name="lm_head_certified/choose")
+    graph.insert_before(node, choose)
+    chosen = choose.outputs[0]
+    chosen.name, chosen.shape, chosen.type = "lm_head_certified_logits", ir.Shape([m, v]), ir.TensorType(f32)
+    out_shape = shape_of(node.outputs[0])
+    y = op("Reshape", [chosen, const("shape." + "x".join(map(str, out_shape)), out_shape)], "logits",
+           out_shape).outputs[0]
+    take_over(node.outputs[0], y, "float")
+    graph.remove(node, safe=True)
+    return True
+
+
+@register("certified_lm_head")
+class CertifiedLmHead(GraphPass):
+    runs_before = ("matmul_nbits", "check_htp")
+    argmax_exact_outputs = (OUTPUT,)
+
+    class Config(PassConfig):
+        block_size: int = 32  # GGUF's Q8_0 block
+        candidates: int = 32  # K rows rescored in float per call (a Gather of K x C floats)
+
+    def rewrite(self, model: ir.Model) -> bool:
+        node = _lm_head(model.graph)
+        if node is None or not _rewrite(model.graph, node, self.config):
+            return False
+        model.opset_imports.setdefault(DOMAIN, 1)
+        remove_unused(model)
+        return True
+
+    def ensures(self, model: ir.Model) -> None:
+        out = next((v for v in model.graph.outputs if v.name == OUTPUT), None)
+        if out is None:
+            return
+        node = out.producer()
+        if node is not None and node.op_type == "Reshape":
+            node = node.inputs[0].producer()
+        if node is not None and linear_weight(node) is not None:
+            w = linear_weight(node)[0]
+            if w.shape[1] % self.config.block_size == 0 and fit_block_grid(
+                    np.ascontiguousarray(w.T), self.config.block_size, "int8") is not None:
+                raise AssertionError(f"{OUTPUT} is still a float MatMul over a Q8_0 weight")

@@ -1,0 +1,99 @@
+"""certified_lm_head on tiny graphs whose tied or untied lm_head sits on a Q8_0 grid: the fast
+8-bit head keeps every row's argmax (and its value) exact, its error bound holds against the float
+head, and when the certificate fails the If falls back to the float product."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import passes.certified_lm_head as certified
+from passes import build
+from tests.passes.test_matmul_nbits import _q8_0
+from tests.passes.tiny import graphset_for
+from toolchain.compile.pass_runner import ort_run, run_passes
+from toolchain.ir.graph import const_array, extract, linear_weight, shape_of
+
+
+def _head_on_q8_0(gs) -> None:
+    """The lm_head's [V, C] weight on a Q8_0 grid along C (as GGUF stores token_embd)."""
+    for entry in gs.entries.values():
+        node = certified._lm_head(entry.model.graph)
+        w = node.inputs[1]
+        if w.producer() is not None:  # tied: Transpose(E)
+            e = w.producer().inputs[0]
+            e.const_value = ir.tensor(_q8_0(const_array(e).T).T.copy(), name=e.name)
+        else:  # untied W [C, V]
+            w.const_value = ir.tensor(_q8_0(const_array(w)), name=w.name)
+
+
+def _certified(arch: str, width: int = 4):
+    gs, feeds = graphset_for(arch, (width,))
+    _head_on_q8_0(gs)
+    float_logits = {f: ort_run(e, feeds[f])["logits"] for f, e in gs.entries.items()}
+    for entry in gs.entries.values():
+        assert build("certified_lm_head").call(entry.model).modified
+    return gs, feeds, float_logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied head; tied (Transpose of the embedding)
+def test_argmax_exact_through_the_pass_runner(arch):
+    gs, feeds = graphset_for(arch, (1, 4))
+    _head_on_q8_0(gs)
+    out, rows = run_passes(gs, ["fold_constants", "certified_lm_head"], 1e-5, feeds)
+    for entry in out.entries.values():
+        build("certified_lm_head").ensures(entry.model)
+        ops = [n.op_type for n in entry.model.graph]
+        assert "If" in ops and "MatMulNBits" in ops
+        heads = [n for n in entry.model.graph if linear_weight(n) is not None and linear_weight(n)[0].shape == (256, 64)]
+        assert not heads  # no float MatMul over the [V, C] head remains
+    assert rows[-1]["worst"]["diff"] < 1e-5  # at the argmax, where the contract is exact
+
+
+def test_non_candidates_move_within_the_bound_and_the_argmax_does_not():
+    gs, feeds, float_logits = _certified("llama", 4)
+    for fam, entry in gs.entries.items():
+        got = ort_run(entry, feeds[fam])["logits"]
+        ref = float_logits[fam]
+        assert (got.argmax(-1) == ref.argmax(-1)).all()
+        assert np.abs(got - ref).max() > 1e-6  # the int8 head really ran (the relaxation is real)
+
+
+def _node(graph: ir.Graph, label: str) -> ir.Node:
+    return next(n for n in graph if n.name == f"lm_head_certified/{label}")
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 40.0])
+def test_the_bound_covers_the_int8_kernels_error(scale):
+    """|level-4 logits - float logits| <= the graph's own bound, on activations of very different
+    sizes and with a few massive channels (what defeats a bound that assumes one scale per row)."""
+    gs, _, _ = _certified("llama", 4)
+    entry = next(iter(gs.entries.values()))
+    graph = entry.model.graph
+    rows = _node(graph, "rows")
+    x = rows.inputs[0]
+    approx, upper = _node(graph, "approx").outputs[0].name, _node(graph, "upper").outputs[0].name
+    table = const_array(_node(graph, "candidate_rows").inputs[0]).astype(np.float64)  # [V, C]
+    head = dataclasses.replace(entry, name="head", model=extract(entry.model, [x.name], [approx, upper], "head"))
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        h = (rng.standard_normal(shape_of(x)) * scale).astype(np.float32)
+        h[..., rng.integers(0, h.shape[-1], 2)] *= 25
+        out = ort_run(head, {x.name: h})
+        exact = h.reshape(-1, h.shape[-1]).astype(np.float64) @ table.T
+        slack = out[upper] - out[approx]  # the bound plus its pad
+        assert (slack > 0).all()
+        assert (np.abs(out[approx] - exact) <= slack).all()
+
+
+def test_a_failed_certificate_falls_back_to_the_float_head(monkeypatch):
+    """A pad that no candidate can beat fails every row's certificate: the If's float branch runs
+    and the logits are the float head's everywhere, not only at the argmax."""
+    monkeypatch.setattr(certified, "BOUND_PAD", 1e9)
+    gs, feeds, float_logits = _certified("llama", 4)
+    for fam, entry in gs.entries.items():
+        got = ort_run(entry, feeds[fam])["logits"]
+        np.testing.assert_allclose(got, float_logits[fam], atol=1e-5)
