@@ -41,6 +41,7 @@ def run(
     if not (math.isfinite(temperature) and temperature >= 0):
         raise MobcError(f"--temperature {temperature}: give 0 for greedy decoding or a positive number to sample")
     target, drafter = load_models(artifact, draft, provider, threads, ep_option)
+    target.open_ahead()  # overlaps the tokenizer's load below
     options = {}
     if adapter or policy in ("ctg", "ds2d"):  # adapters bound per request, ctg styles, ds2d forecasts
         options = policy_options(target, policy, adapter, forecast)

@@ -80,6 +80,11 @@ class StepModel:
             self._tokenizer = Tokenizer(tok_dir)
         return self._tokenizer
 
+    def open_ahead(self) -> None:
+        """Starts opening the decode family's sessions in the background (every generation needs
+        them), so that loading the tokenizer and tokenizing overlap the slowest part of a start."""
+        self.sessions.open_ahead([stage.name for stage in self.sessions.chain(self.decode_family)])
+
     def reset(self, stats: bool = True) -> None:
         self.cache.reset()
         self._last = None

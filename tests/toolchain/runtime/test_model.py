@@ -85,3 +85,24 @@ def test_open_many_opens_sessions_that_compute_what_lazy_ones_do(tiny_artifact):
     for m in (eager, lazy):
         m.reset()
     np.testing.assert_array_equal(eager.forward(PROMPT[:4], family="prefill"), lazy.forward(PROMPT[:4], family="prefill"))
+
+
+def test_open_ahead_sessions_are_the_ones_used_and_count_as_open(tiny_artifact, monkeypatch):
+    """`mobc run` starts opening the decode graph before loading the tokenizer: the session it
+    opened in the background is the one decoding then runs (not a second one), and the short-prompt
+    rule sees it as open."""
+    ref = StepModel(tiny_artifact).prefill(PROMPT[:3])
+    model = StepModel(tiny_artifact)
+    opened = []
+    real_open = type(model.sessions)._open
+
+    def spy(self, name):
+        opened.append(name)
+        return real_open(self, name)
+
+    monkeypatch.setattr(type(model.sessions), "_open", spy)
+    model.open_ahead()
+    decode = {s.name for s in model.sessions.chain("decode")}
+    assert model.sessions.open_names() == decode
+    np.testing.assert_allclose(model.prefill(PROMPT[:3]), ref, atol=1e-5)
+    assert sorted(opened) == sorted(decode)  # each opened once, in the background
