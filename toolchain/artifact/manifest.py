@@ -174,6 +174,7 @@ class Manifest:
     passes: list[dict[str, Any]] = field(default_factory=list)  # one row per pass (pass_runner)
     verification: dict[str, Any] | None = None
     qnn: list[dict[str, Any]] | None = None
+    qnn_lockstep: dict[str, Any] | None = None  # the qnn: gate's greedy run through the HTP decode binaries
     quantization: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     report_sections: list[str] = field(default_factory=list)  # extra markdown for report.md

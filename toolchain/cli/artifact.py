@@ -76,6 +76,7 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder written b
     from toolchain.compile.report import (
         graphs_rows,
         io_rows,
+        lockstep_line,
         pass_rows,
         qnn_rows,
         rich_table,
@@ -111,6 +112,8 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder written b
         console.print(rich_table("Passes", pass_rows(m.passes)))
     if m.qnn:
         console.print(rich_table("QNN HTP context binaries (emulated HTP vs CPU EP)", qnn_rows(m)))
+        if line := lockstep_line(m):
+            console.print(line)
     for extra in m.inspect_tables:
         console.print(rich_table(extra["title"], (extra["head"], extra["rows"])))
     console.print(rich_table("Timings", timing_rows(m)))

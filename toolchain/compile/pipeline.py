@@ -140,6 +140,10 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
     return result
 
 
+# the gate's prompt runs token by token through the decode binaries (~1.7 s per emulated SmolLM2 call)
+LOCKSTEP_PROMPT_TOKENS = 8
+
+
 def stage_feeds(sessions: ArtifactSessions, cases: dict[str, Case]) -> dict[str, dict[str, Any]]:
     """Each stage graph's inputs on the verification case (parts get the real residual stream)."""
     feeds: dict[str, dict[str, Any]] = {}
@@ -237,6 +241,12 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
         if recipe.qnn:
             with timer.stage(f"qnn context binaries (soc {recipe.qnn.soc_model}, htp v{recipe.qnn.htp_arch})"):
                 manifest.qnn = emit_qnn_stage(tmp, recipe, cases)
+            if recipe.qnn.verify and recipe.qnn.lockstep_tokens and manifest.qnn[0]["status"] != "skipped":
+                with timer.stage(f"qnn lockstep greedy {recipe.qnn.lockstep_tokens} tokens (emulated HTP)"):
+                    from toolchain.qnn.lockstep import lockstep_gate
+
+                    ids = loaded.tokenizer(recipe.verify.prompt).input_ids[:LOCKSTEP_PROMPT_TOKENS]
+                    manifest.qnn_lockstep = lockstep_gate(tmp, manifest.qnn, recipe.qnn, ids)
         if recipe.quantize:  # after passes and float verification: writes tmp/quantized/
             from toolchain.quantize.stage import pipeline_quantize, report_section
 

@@ -83,17 +83,30 @@ def pass_rows(rows_in: list[dict[str, Any]]) -> Rows:
 
 
 def qnn_rows(m: Manifest) -> Rows:
-    head = ["graph", "status", "context binary", "build s", "max |diff| vs CPU", "worst output", "argmax agree"]
+    head = ["graph", "status", "context binary", "build s", "max |diff| vs CPU", "worst output",
+            "max rel (K/V, hidden)", "argmax agree"]
     rows = []
     for r in m.qnn or []:
         v = r.get("verify") or {}
         agree = v.get("argmax_agreement")
         if isinstance(agree, dict):  # per output: the logits' top-1 agreement
             agree = min(agree.values()) if agree else None
+        rel = [x for k, x in (v.get("max_rel") or {}).items() if not k.startswith("logits")]
         rows.append([r["graph"], r["status"], _mb(r.get("bytes", 0)) if "bytes" in r else r.get("reason", ""),
                      f"{r.get('build_seconds', 0):.1f}", f"{v['worst_max_abs']:.3g}" if v else "-",
-                     v.get("worst_output", "-"), f"{agree:.0%}" if isinstance(agree, float) else "-"])
+                     v.get("worst_output", "-"), f"{max(rel):.2g}" if rel else "-",
+                     f"{agree:.0%}" if isinstance(agree, float) else "-"])
     return head, rows
+
+
+def lockstep_line(m: Manifest) -> str | None:
+    """The qnn: gate's greedy lockstep run, in one sentence."""
+    g = m.qnn_lockstep
+    if not g:
+        return None
+    return (f"Greedy lockstep through the HTP decode binaries: {g['tokens']} tokens after a {g['prompt_tokens']}-token "
+            f"prompt, the CPU's token kept on {g['argmax_agreement']:.0%} of steps, max |logit diff| "
+            f"{g['logits_max_abs']:.3g} ({g['seconds']:.0f} s emulated).")
 
 
 def timing_rows(m: Manifest) -> Rows:
@@ -149,6 +162,8 @@ def write_report(folder: Path, m: Manifest) -> None:
     if m.qnn:
         parts += ["", "## QNN HTP context binaries (emulated HTP vs CPU EP, same inputs)", "",
                   markdown_table(qnn_rows(m))]
+        if line := lockstep_line(m):
+            parts += ["", line]
     for extra in m.report_sections:
         parts += ["", extra]
     parts += ["", "## Timings", "", markdown_table(timing_rows(m)), ""]

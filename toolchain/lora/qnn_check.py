@@ -30,7 +30,7 @@ import numpy as np
 from toolchain.artifact.manifest import Manifest
 from toolchain.errors import ArtifactError
 from toolchain.qnn import context as qnn
-from toolchain.quantize.qnn_check import ContextSessions
+from toolchain.qnn.lockstep import ContextSessions
 from toolchain.runtime.adapters import Adapter, resolve_adapter
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.ctg import CTG, sequential_styles

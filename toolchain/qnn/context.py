@@ -64,6 +64,22 @@ class QnnSpec(BaseModel):
     max_abs: float | None = Field(
         None, gt=0, description="fail when any output differs from CPU by more; unset = record only"
     )
+    # the gate that carries across models: scale-free bounds and the tokens a user would get
+    max_rel: float | None = Field(
+        0.05, gt=0, description="fail when a non-logits output (KV rows, hidden states) differs from CPU by "
+        "more than this fraction of its own largest |value| (SmolLM2's residual stream reaches 2e4, its "
+        "K/V rows ~10: one absolute bound fits neither); unset = record only",
+    )
+    min_top1: float = Field(
+        0.95, ge=0, le=1, description="fail when fewer logits rows than this keep the CPU EP's argmax"
+    )
+    lockstep_tokens: int = Field(
+        8, ge=0, description="greedy tokens decoded through the HTP decode binaries in lockstep with the "
+        "CPU graphs (the CPU picks each token, both are fed it); 0 = skip. `mobc eval qnn` runs the long one",
+    )
+    min_lockstep: float = Field(
+        0.95, ge=0, le=1, description="fail when fewer lockstep tokens than this have the CPU's argmax on the HTP"
+    )
     on_unavailable: Literal["error", "skip"] = Field(
         "error", description="without onnxruntime-qnn for this platform: fail, or record the skip"
     )
@@ -253,6 +269,7 @@ def build_context_binary(
 @dataclass
 class Comparison:
     max_abs: dict[str, float]  # per output: max |qnn - cpu|
+    max_rel: dict[str, float] = field(default_factory=dict)  # per output: max |qnn - cpu| / max |cpu|
     argmax_agreement: dict[str, float] = field(default_factory=dict)  # logits outputs only
     cpu_seconds: float = 0.0
     qnn_seconds: float = 0.0
@@ -266,15 +283,45 @@ class Comparison:
 
 
 def compare(cpu: Mapping[str, np.ndarray], qnn: Mapping[str, np.ndarray]) -> Comparison:
-    diffs, agree = {}, {}
+    diffs, rel, agree = {}, {}, {}
     for name, ref in cpu.items():
         got = np.asarray(qnn[name], dtype=np.float64)
         ref64 = np.asarray(ref, dtype=np.float64)
         # non-finite on the NPU (fp16 overflow) is the worst possible difference, not a NaN to ignore
         diffs[name] = float("inf") if not np.isfinite(got).all() else float(np.abs(got - ref64).max())
+        rel[name] = diffs[name] / max(float(np.abs(ref64).max()) if ref64.size else 0.0, 1e-6)
         if name.startswith("logits"):
             agree[name] = float((got.argmax(-1) == ref64.argmax(-1)).mean())
-    return Comparison(max_abs=diffs, argmax_agreement=agree)
+    return Comparison(max_abs=diffs, max_rel=rel, argmax_agreement=agree)
+
+
+FP16_HINT = ("If it is inf or very large, activations overflow fp16: add `scale_rmsnorm` (and "
+             "`rescale_residual` for residual streams above 65504) to the recipe's passes")
+
+
+def check_gate(graph: str, cmp: Comparison, spec: QnnSpec) -> None:
+    """Raises QnnMismatchError naming the graph, the output and the bound it broke."""
+    where = f"QNN HTP binary of graph {graph!r}"
+    for name, agree in cmp.argmax_agreement.items():
+        if agree < spec.min_top1:
+            raise QnnMismatchError(
+                f"{where}: {name} keeps the CPU EP's argmax on {agree:.1%} of its rows < qnn.min_top1 "
+                f"{spec.min_top1:.0%} (max |diff| {cmp.max_abs[name]:.3g}). {FP16_HINT}; lower qnn.min_top1 "
+                "only if you accept different tokens on the phone"
+            )
+    if spec.max_rel is not None:
+        for name, rel in cmp.max_rel.items():
+            if not name.startswith("logits") and not rel <= spec.max_rel:
+                raise QnnMismatchError(
+                    f"{where}: output {name!r} differs from the CPU EP by {rel:.3g} of its largest |value| "
+                    f"> qnn.max_rel {spec.max_rel:g} (max |diff| {cmp.max_abs[name]:.4g}). {FP16_HINT}"
+                )
+    worst_name, worst = cmp.worst
+    if spec.max_abs is not None and not worst <= spec.max_abs:
+        raise QnnMismatchError(
+            f"{where}: output {worst_name!r} differs from the CPU EP by {worst:.4g} > qnn.max_abs "
+            f"{spec.max_abs:g}. {FP16_HINT}"
+        )
 
 
 def run_and_compare(
@@ -374,18 +421,13 @@ def emit_qnn(
             record["status"] = "verified"
             record["verify"] = {
                 "max_abs": {k: float(f"{v:.4g}") for k, v in cmp.max_abs.items()},
+                "max_rel": {k: float(f"{v:.4g}") for k, v in cmp.max_rel.items()},
                 "worst_output": worst_name,
                 "worst_max_abs": worst,
                 "argmax_agreement": cmp.argmax_agreement,
                 "cpu_seconds": round(cmp.cpu_seconds, 3),
                 "htp_emulated_seconds": round(cmp.qnn_seconds, 3),
             }
-            if qnn_cfg.max_abs is not None and not worst <= qnn_cfg.max_abs:
-                raise QnnMismatchError(
-                    f"QNN HTP binary of graph {name!r}: output {worst_name!r} differs from the CPU EP "
-                    f"by {worst:.4g} > qnn.max_abs {qnn_cfg.max_abs:g}. If it is inf or very large, "
-                    "activations overflow fp16: add `scale_rmsnorm` (and `rescale_residual` for "
-                    "residual streams above 65504) to the recipe's passes"
-                )
+            check_gate(name, cmp, qnn_cfg)
         records.append(record)
     return records

@@ -15,61 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from toolchain.qnn import context as qnn
+from toolchain.qnn.lockstep import ContextSessions, lockstep_greedy
 from toolchain.quantize.calibrate import corpus_tokens, family_feeds
-from toolchain.runtime.cache import KVCache
-from toolchain.runtime.greedy import decode_family, family_by_role, run_tokens
 from toolchain.runtime.sessions import ArtifactSessions
-
-
-class ContextSessions(ArtifactSessions):
-    """ArtifactSessions whose graphs are opened from QNN context models on the HTP backend."""
-
-    def __init__(self, folder: Path, ctx_models: dict[str, Path], options: dict[str, str]):
-        super().__init__(folder)
-        self.ctx_models = ctx_models
-        self.qnn_options = options
-
-    def session(self, name: str) -> Any:
-        if name not in self._sessions:
-            self._sessions[name] = qnn.session(self.ctx_models[name], "qnn", self.qnn_options)
-        return self._sessions[name]
-
-
-def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int], n: int,
-                    log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    fam = decode_family(cpu)
-    layout = cpu.layout(fam)
-    caches = [KVCache(layout, cpu.rope), KVCache(layout, cpu.rope)]
-    # a short prompt goes through the decode graph token by token: an emulated HTP prefill call
-    # costs minutes (measured SmolLM2 w4a16: a decode call ~50 s), and the prefill graph gets its
-    # own one-call check in check_quantized
-    pre = fam if len(ids) <= 32 else (family_by_role(cpu, "prefill") or fam)
-    width = cpu.chain(pre)[0].width
-    last = []
-    for sess, cache in zip((cpu, htp), caches, strict=True):
-        logits = None
-        for s in range(0, len(ids), width):
-            logits = run_tokens(sess, pre, cache, ids[s : s + width], width)
-        last.append(logits[-1])
-    agree, diffs, tokens = [], [], []
-    t0 = time.perf_counter()
-    for i in range(n):
-        a, b = last
-        agree.append(int(np.argmax(a) == np.argmax(b)))
-        diffs.append(float(np.abs(a - b).max()))
-        tok = int(np.argmax(a))  # the CPU simulation decides; the HTP follows
-        tokens.append(tok)
-        if (i + 1) % 8 == 0 or i + 1 == n:  # an emulated HTP decode step takes seconds: show it moving
-            log(f"lockstep token {i + 1}/{n}: argmax agreement {np.mean(agree) * 100:.1f}%, max |logit diff| "
-                f"{max(diffs):.3g}, {(time.perf_counter() - t0) / (i + 1):.1f} s/token")
-        if caches[0].free(layout.width) < 1:
-            break
-        last = [run_tokens(s, fam, c, [tok], layout.width)[-1] for s, c in zip((cpu, htp), caches, strict=True)]
-    return {"tokens": len(agree), "argmax_agreement": float(np.mean(agree)), "logits_max_abs": max(diffs),
-            "logits_median_abs": float(np.median(diffs)), "cpu_tokens": tokens}
 
 
 def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: int = 57,

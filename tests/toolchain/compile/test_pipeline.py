@@ -240,5 +240,8 @@ def test_recipe_qnn_section_builds_verified_binaries(tiny_dir, tmp_path):
         assert r["status"] == "verified" and r["verify"]["worst_max_abs"] <= 0.05
         for name in r["binaries"]:
             assert (result.out_dir / "qnn" / name).stat().st_size > 0
+    lock = result.manifest.qnn_lockstep  # the gate's greedy run through the HTP decode binaries
+    assert lock["tokens"] == 8 and lock["argmax_agreement"] == 1.0 and lock["prompt_tokens"] >= 2
     r = runner.invoke(app, ["inspect", str(result.out_dir)], terminal_width=160)
     assert "QNN HTP context binaries" in r.output and "verified" in r.output
+    assert "Greedy lockstep through the HTP decode binaries: 8 tokens" in r.output

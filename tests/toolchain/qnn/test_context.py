@@ -100,6 +100,34 @@ def test_mismatch_beyond_tolerance_fails_with_the_output_name(tmp_path):
         qnn.emit_qnn({"decode": src}, tmp_path / "out", spec, {"decode": feeds_for(layout)})
 
 
+def _broken_copy(model: ir.Model, folder, name: str) -> str:
+    """The same graph with the lm_head's weight negated: what a binary built from a stale or
+    corrupted graph computes."""
+    broken = model.clone()
+    for value in broken.graph.initializers.values():
+        if value.name.startswith("lm_head") or value.name.startswith("embed_tokens"):
+            value.const_value = ir.tensor(-value.const_value.numpy(), name=value.name)
+    return _save(broken, folder, name)
+
+
+@pytest.mark.qnn
+def test_default_gate_passes_a_faithful_binary_and_fails_a_broken_one(tmp_path, monkeypatch):
+    """The default qnn: gate (top-1 agreement of logits rows, K/V within 5% of their own scale)
+    holds for a float graph in fp16 and refuses a binary whose numbers are not the graph's."""
+    layout, model = tiny("llama", 4)
+    build("scale_rmsnorm")(model)
+    src = _save(model, tmp_path, "decode")
+    feeds = {"decode": feeds_for(layout)}
+    (rec,) = qnn.emit_qnn({"decode": src}, tmp_path / "ok", qnn.QnnSpec(), feeds)
+    assert rec["verify"]["argmax_agreement"]["logits"] == 1.0
+    assert max(rec["verify"]["max_rel"][k] for k in rec["verify"]["max_rel"] if k != "logits") < 0.05
+    bad = _broken_copy(model, tmp_path, "broken")
+    real_build = qnn.build_context_binary
+    monkeypatch.setattr(qnn, "build_context_binary", lambda path, *a, **kw: real_build(bad, *a, **kw))
+    with pytest.raises(qnn.QnnMismatchError, match="min_top1|max_rel"):
+        qnn.emit_qnn({"decode": src}, tmp_path / "bad", qnn.QnnSpec(), feeds)
+
+
 def test_qnn_spec_validates_keys_and_arch():
     assert qnn.QnnSpec().provider_options() == {
         "backend_type": "htp", "soc_model": "57", "htp_arch": "75", "enable_htp_fp16_precision": "1",
