@@ -241,7 +241,9 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
         if recipe.qnn:
             with timer.stage(f"qnn context binaries (soc {recipe.qnn.soc_model}, htp v{recipe.qnn.htp_arch})"):
                 manifest.qnn = emit_qnn_stage(tmp, recipe, cases)
-            if recipe.qnn.verify and recipe.qnn.lockstep_tokens and manifest.qnn[0]["status"] != "skipped":
+            # a diffusion LM has no AR decode graph to run greedily: its block binaries get the one-call gate
+            if (recipe.qnn.verify and recipe.qnn.lockstep_tokens and not loaded.diffusion
+                    and manifest.qnn[0]["status"] != "skipped"):
                 with timer.stage(f"qnn lockstep greedy {recipe.qnn.lockstep_tokens} tokens (emulated HTP)"):
                     from toolchain.qnn.lockstep import lockstep_gate
 

@@ -245,3 +245,26 @@ def test_recipe_qnn_section_builds_verified_binaries(tiny_dir, tmp_path):
     r = runner.invoke(app, ["inspect", str(result.out_dir)], terminal_width=160)
     assert "QNN HTP context binaries" in r.output and "verified" in r.output
     assert "Greedy lockstep through the HTP decode binaries: 8 tokens" in r.output
+
+
+@pytest.mark.qnn
+def test_diffusion_recipe_qnn_section_builds_every_block_part(tiny_dir, tmp_path):
+    """A diffusion LM's block graph gets its HTP binaries inside mobc compile (every part, gated on
+    the bidirectional verification block with mask tokens), with no AR lockstep run."""
+    from tests.tiny import save_tiny
+    from toolchain.diffusion.form import DiffusionForm, write_form
+
+    hf = save_tiny(tmp_path / "hf", "llama", seed=3)
+    write_form(hf, DiffusionForm(mask_token_id=3))
+    recipe = write_recipe(
+        tmp_path / "d.yaml", hf, name="dlm-qnn",
+        graphs="  diffusion: {width: 8, context: 64, role: diffusion}\n",
+        extra="passes: [scale_rmsnorm, {split_layers: {at: [1]}}]\n"
+              "qnn: {soc_model: 57, htp_arch: 75}\n",
+    )
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    result = compile_recipe(recipe)
+    records = result.manifest.qnn
+    assert {r["graph"] for r in records} == {g.name for g in result.manifest.graphs} and len(records) == 2
+    assert all(r["status"] == "verified" for r in records)
+    assert result.manifest.qnn_lockstep is None
