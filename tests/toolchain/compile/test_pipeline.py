@@ -268,3 +268,33 @@ def test_diffusion_recipe_qnn_section_builds_every_block_part(tiny_dir, tmp_path
     assert {r["graph"] for r in records} == {g.name for g in result.manifest.graphs} and len(records) == 2
     assert all(r["status"] == "verified" for r in records)
     assert result.manifest.qnn_lockstep is None
+
+
+@pytest.mark.qnn
+def test_qnn_lockstep_gate_fails_binaries_that_pick_other_tokens(tiny_dir, tmp_path, monkeypatch):
+    """With the per-graph bounds switched off, the lockstep run alone must catch HTP binaries that
+    decode other tokens (here: built from a copy whose lm_head weight is negated)."""
+    from toolchain.errors import MobcError
+    from toolchain.qnn import context as qnn
+
+    real_build = qnn.build_context_binary
+
+    def broken_build(path, out_dir, *args, **kwargs):
+        model = ir.load(path)
+        for value in model.graph.initializers.values():
+            if "lm_head" in value.name or "embed_tokens" in value.name:
+                value.const_value = ir.tensor(-value.const_value.numpy(), name=value.name)
+        copy = Path(out_dir).parent / f"broken-{Path(path).stem}.onnx"
+        ir.save(model, copy, external_data=f"{copy.stem}.bin")
+        return real_build(copy, out_dir, *args, **kwargs)
+
+    monkeypatch.setattr(qnn, "build_context_binary", broken_build)
+    recipe = write_recipe(
+        tmp_path / "q.yaml", tiny_dir, name="badqnn",
+        graphs="  decode: {width: 1, context: 64}\n",
+        extra="passes: [scale_rmsnorm]\n"
+              "qnn: {soc_model: 57, htp_arch: 75, min_top1: 0, max_rel: null}\n",
+    )
+    with pytest.raises(MobcError, match="min_lockstep"):
+        compile_recipe(recipe)
+    assert not (tmp_path / "out" / "badqnn" / "manifest.json").exists()  # nothing that looks complete
