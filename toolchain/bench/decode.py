@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from toolchain.cost.model import CostModel, GraphCost
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
@@ -102,6 +104,9 @@ class PolicyResult:
             "target_calls_per_token": self.target_calls / self.tokens if self.tokens else None,
             "phone_ms_per_token": 1e3 * self.phone_seconds / self.tokens if self.tokens else None,
             "identical_to_ar": self.identical,
+            "prompt_ms_median": (1e3 * float(np.median(firsts))
+                                 if (firsts := [p["prompt_seconds"] for p in self.prompts if p["prompt_seconds"]])
+                                 else None),
         }
 
 
@@ -142,7 +147,11 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
         for name, p in pol.items():
             sampler = Sampler(temperature, seed=i)
             t = time.perf_counter()
-            out = [x for chunk in p.generate(ids, n_new, sampler) for x in chunk]
+            out: list[int] = []
+            first = None  # prompt processing: until the first new token is out (the peers' figure)
+            for chunk in p.generate(ids, n_new, sampler):
+                first = time.perf_counter() - t if first is None else first
+                out.extend(chunk)
             wall = time.perf_counter() - t - p.stats.prefill_seconds
             s = p.stats
             r = results[name]
@@ -158,6 +167,7 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
             r.accepted += sum(s.accepted)
             r.identical += int(same)
             r.prompts.append({"prompt": i, "prompt_tokens": len(ids), "tokens": len(out), "seconds": wall,
+                              "prompt_seconds": first,
                               "phone_seconds": phone, "target_calls": dict(s.target_calls),
                               "draft_calls": dict(s.draft_calls), "accepted": s.accepted,
                               "identical_to_ar": same, "output": out})

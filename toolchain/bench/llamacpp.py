@@ -33,17 +33,22 @@ def bench(gguf: Path, prompts: list[str], n_new: list[int], threads: int | None,
                 verbose=False, logits_all=False)
     tokens = 0
     seconds = 0.0
+    prompt_seconds: list[float] = []
     for text, n in zip(prompts, n_new, strict=True):
         ids = llm.tokenize(text.encode(), add_bos=False)
         if n < 2:
             continue
         stamps: list[float] = []
+        t0 = time.perf_counter()
         for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
             stamps.append(time.perf_counter())
             if len(stamps) >= n or tok == llm.token_eos():
                 break
+        if stamps:
+            prompt_seconds.append(stamps[0] - t0)
         if len(stamps) > 1:
             tokens += len(stamps) - 1  # decode steps after the first token (which ends the prefill)
             seconds += stamps[-1] - stamps[0]
     return {"gguf": str(gguf), "tokens": tokens, "seconds": seconds,
-            "tokens_per_s_cpu": tokens / seconds if seconds else 0.0}
+            "tokens_per_s_cpu": tokens / seconds if seconds else 0.0,
+            "prompt_ms_median": 1e3 * sorted(prompt_seconds)[len(prompt_seconds) // 2] if prompt_seconds else None}

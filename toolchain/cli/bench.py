@@ -87,22 +87,25 @@ def bench_decode(
     title = (f"decode {res['target']} (draft {res['draft']}, γ={gamma}, T={temperature}) on "
              f"{res['prompts']} prompts; phone = {device}, target DRAM {target_dram:g}, draft DRAM {draft_dram:g}")
     table = Table(title=title)
-    for col in ("policy", "tokens", "tok/s CPU", "accepted/verify", "tokens/target call", "target calls/token",
-                "phone ms/token", "speedup CPU", "speedup phone", "== ar"):
+    for col in ("policy", "tokens", "tok/s CPU", "prompt ms", "accepted/verify", "tokens/target call",
+                "target calls/token", "phone ms/token", "speedup CPU", "speedup phone", "== ar"):
         table.add_column(col, justify="right" if col != "policy" else "left")
     for r in res["rows"]:
         table.add_row(r["policy"], str(r["tokens"]), fmt(r["tokens_per_s_cpu"], ".1f"),
-                      fmt(r["accepted_per_verify"], ".2f"), fmt(r["tokens_per_target_call"], ".2f"),
+                      fmt(r["prompt_ms_median"], ".0f"), fmt(r["accepted_per_verify"], ".2f"), fmt(r["tokens_per_target_call"], ".2f"),
                       fmt(r["target_calls_per_token"], ".3f"), fmt(r["phone_ms_per_token"], ".2f"),
                       fmt(r["speedup_cpu"], ".2f") + "x", fmt(r["speedup_phone"], ".2f") + "x",
                       f"{r['identical_to_ar']}/{res['prompts']}")
     lc = res.get("llamacpp")
     if lc:
-        table.add_row("llama.cpp ar", str(lc["tokens"]), f"{lc['tokens_per_s_cpu']:.1f}", "—", "—", "—", "—",
+        table.add_row("llama.cpp ar", str(lc["tokens"]), f"{lc['tokens_per_s_cpu']:.1f}",
+                      fmt(lc.get("prompt_ms_median"), ".0f"), "—", "—", "—", "—",
                       f"{lc['tokens_per_s_cpu'] / ar_row['tokens_per_s_cpu']:.2f}x", "—", "—")
     ga = res.get("genai")
     if ga:
-        table.add_row("onnxruntime-genai ar", str(ga["tokens"]), f"{ga['tokens_per_s_cpu']:.1f}", "—", "—", "—", "—",
+        prompt_ms = 1e3 * ga["prompt_seconds_median"] if ga.get("prompt_seconds_median") else None
+        table.add_row("onnxruntime-genai ar", str(ga["tokens"]), f"{ga['tokens_per_s_cpu']:.1f}",
+                      fmt(prompt_ms, ".0f"), "—", "—", "—", "—",
                       f"{ga['tokens_per_s_cpu'] / ar_row['tokens_per_s_cpu']:.2f}x", "—",
                       f"{ga['identical_to_ar']}/{ga['prompts']}")
     console.print(table)

@@ -81,6 +81,18 @@ def test_bench_decode_with_an_unknown_policy(tree_artifacts, tmp_path, capsys, m
     assert_user_error(code, err, "unknown policy 'nosuch'")
 
 
+def test_bench_decode_reports_prompt_processing_per_row(tree_artifacts, tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(PROMPT)
+    out_json = tmp_path / "b.json"
+    code, out, err = _bench_decode(capsys, monkeypatch, tree_artifacts, "--policies", "ar,chain",
+                                   "--prompts", f"file:{prompts}", "--json", str(out_json))
+    assert code == 0, err
+    assert "prompt ms" in out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert all(r["prompt_ms_median"] > 0 for r in rows)  # time to each policy's first new token
+
+
 # ---- policies through `mobc run` -------------------------------------------------------------
 
 
