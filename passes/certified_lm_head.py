@@ -70,11 +70,14 @@ def _table(graph: ir.Graph, node: ir.Node, e: np.ndarray, name: str) -> ir.Value
     return add_initializer(graph, f"{name}.rows", e)
 
 
-def _branch(name: str, value: ir.Value, out_name: str) -> ir.Graph:
-    """A subgraph returning outer-scope `value` unchanged (the If's certified branch)."""
-    node = ir.Node("", "Identity", [value], name=f"{name}/identity")
+def _certified_branch(name: str, approx: ir.Value, idx: ir.Value, exact: ir.Value, m: int, v: int) -> ir.Graph:
+    """A subgraph scattering the rescored candidates into the approximate logits (the If's
+    certified branch). A real op, not an Identity of an outer value: identity elimination
+    (onnx_ir's, run by other passes) would leave the subgraph an output it does not produce."""
+    node = ir.Node("", "ScatterElements", [approx, idx, exact], attributes=[ir.AttrInt64("axis", 1)],
+                   name=f"{name}/scatter")
     out = node.outputs[0]
-    out.name, out.shape, out.type = out_name, value.shape, value.type
+    out.name, out.shape, out.type = f"{name}_logits", ir.Shape([m, v]), ir.TensorType(ir.DataType.FLOAT)
     return ir.Graph([], [out], nodes=[node], name=name)
 
 
@@ -150,10 +153,8 @@ def _rewrite(graph: ir.Graph, node: ir.Node, cfg: PassConfig) -> bool:
     all_ok = op("ReduceMin", [as_float], "all_certified_f", [], attrs={"keepdims": 0}).outputs[0]
     cond = op("Cast", [all_ok], "all_certified", [], dtype=ir.DataType.BOOL,
               attrs={"to": int(ir.DataType.BOOL)}).outputs[0]
-    certified = op("ScatterElements", [approx, idx, exact], "certified", [m, v], attrs={"axis": 1}).outputs[0]
-
     choose = ir.Node("", "If", [cond], attributes=[
-        ir.AttrGraph("then_branch", _branch("lm_head_certified_then", certified, "lm_head_certified_then_out")),
+        ir.AttrGraph("then_branch", _certified_branch("lm_head_certified_then", approx, idx, exact, m, v)),
         ir.AttrGraph("else_branch", _fallback("lm_head_float_fallback", table, x2, m, v)),
     ], name="lm_head_certified/choose")
     graph.insert_before(node, choose)

@@ -87,11 +87,24 @@ RULES = [
 ]
 
 
+def _skip_shared_reshapes(graph: ir.Graph) -> bool:
+    """Reshape(Reshape(x)) -> Reshape(x) where the inner Reshape has other users too (the
+    rewriter's rule leaves those alone: its match would orphan them); the inner one stays for them."""
+    changed = False
+    for node in graph:
+        src = node.inputs[0].producer() if node.op_type == "Reshape" and node.inputs[0] is not None else None
+        if src is not None and src.op_type == "Reshape" and _static(node.outputs[0]) is not None:
+            node.replace_input_with(0, src.inputs[0])
+            changed = True
+    return changed
+
+
 def simplify(model: ir.Model, max_rounds: int = 4) -> bool:
     before = set(model.graph)  # the nodes themselves (ids of freed nodes get reused)
     changed = False
     for _ in range(max_rounds):
-        if not RewritePass(RULES)(model).modified:
+        rewritten = RewritePass(RULES)(model).modified
+        if not (_skip_shared_reshapes(model.graph) or rewritten):
             break
         changed = True
     if not changed:

@@ -97,3 +97,14 @@ def test_a_failed_certificate_falls_back_to_the_float_head(monkeypatch):
     for fam, entry in gs.entries.items():
         got = ort_run(entry, feeds[fam])["logits"]
         np.testing.assert_allclose(got, float_logits[fam], atol=1e-5)
+
+
+def test_later_passes_keep_the_certificate_a_valid_graph():
+    """Passes after it may eliminate identities and collapse layouts (onnx_ir's passes recurse into
+    subgraphs): the If's branches must stay valid graphs that onnxruntime loads and runs."""
+    gs, feeds = graphset_for("llama", (1, 4))
+    _head_on_q8_0(gs)
+    out, rows = run_passes(gs, ["fold_constants", "certified_lm_head", "simplify_layout", "fold_constants"],
+                           1e-5, feeds)
+    assert all(r["worst"]["diff"] < 1e-5 for r in rows)
+    assert all(any(n.op_type == "If" for n in e.model.graph) for e in out.entries.values())
