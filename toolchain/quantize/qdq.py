@@ -34,6 +34,7 @@ from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 from toolchain.errors import QuantizeError
 from toolchain.quantize.exact_mask import exact_attention_masks
 from toolchain.quantize.fuse import fuse_rmsnorm
+from toolchain.quantize.lpbq import to_htp_forms
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.source_grid import split_grid_weights, write_exact_codes
 
@@ -203,6 +204,17 @@ def _exact_codes(dst: Path, fitted: dict[str, Any], block: int) -> None:
     onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
 
 
+def _htp_forms(dst: Path) -> list[dict[str, Any]]:
+    """LPBQ / per-channel weights where HTP needs them next to 8-bit activations (lpbq.py)."""
+    model = onnx.load(dst)
+    records = to_htp_forms(model)
+    if records:
+        data = dst.name + ".data"
+        (dst.parent / data).unlink(missing_ok=True)
+        onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+    return records
+
+
 class _ListReader(CalibrationDataReader):
     def __init__(self, feeds: Iterator[dict[str, np.ndarray]]):
         self.feeds = feeds
@@ -280,5 +292,6 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     cache.unlink(missing_ok=True)
     if fitted:
         _exact_codes(dst, fitted, spec.block_size)
-    return {"weights": schemes, "folded_transposes": folded, "fused_rmsnorms": fused, "excluded_nodes": exclude,
+    lpbq = _htp_forms(dst) if spec.lpbq else []
+    return {"lpbq": lpbq, "weights": schemes, "folded_transposes": folded, "fused_rmsnorms": fused, "excluded_nodes": exclude,
             "kv_tensors": sorted(kv)}

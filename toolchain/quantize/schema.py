@@ -77,6 +77,9 @@ class QuantizeSpec(_Strict):
     # weights already on a block grid of the recipe's type and block size (GGUF Q4_0/Q4_1/Q8_0
     # sources) keep their exact codes instead of being rounded a second time (source_grid.py)
     source_grid: bool = True
+    # int4 block weights of MatMuls with 8-bit inputs as LPBQ (per-channel scale x 4-bit block scales),
+    # the form QNN HTP accepts there (lpbq.py); not exact: the change is recorded per weight
+    lpbq: bool = False
     eval_tokens: Annotated[int, Field(ge=0, le=65536)] = 1024  # held-out tokens for the compile report's ppl
 
     @model_validator(mode="after")
@@ -88,6 +91,8 @@ class QuantizeSpec(_Strict):
                 raise ValueError(f"block_size must be a power of two (got {self.block_size})")
         elif self.block_size is not None:
             raise ValueError("block_size only applies with granularity: block")
+        if self.lpbq and (self.granularity != "block" or self.weights != "int4"):
+            raise ValueError("lpbq: true rewrites int4 block weights; use weights: int4, granularity: block")
         if self.method == "ptq" and self.qat is not None:
             raise ValueError("a `qat:` section needs method: qat")
         for pattern, ov in self.overrides.items():

@@ -34,3 +34,21 @@ def test_block_weights_with_8bit_activations_are_explained(artifact, tokenizer, 
                                              activations="int8", calibration={"samples": 2}), tokenizer)
     with pytest.raises(qnn.QnnCompileError, match=r"(?s)MatMul 'layers\.0\..*16-bit activations.*per_channel"):
         qnn.build_context_binary(artifact / "quantized" / "decode.onnx", tmp_path)
+
+
+@pytest.mark.qnn
+def test_lpbq_gives_8bit_activation_matmuls_a_weight_form_htp_runs(artifact, tokenizer, tmp_path):
+    """The same W4A8 scheme with lpbq: true: the MatMuls HTP refused above get LPBQ weights, the binary
+    builds and computes what the CPU simulation of the rewritten graph computes."""
+    from toolchain.quantize.schema import QuantizeSpec
+    from toolchain.quantize.stage import quantize_artifact
+
+    rec = quantize_artifact(artifact, QuantizeSpec(weights="int4", granularity="block", block_size=16,
+                                                   activations="int8", calibration={"samples": 2}, lpbq=True),
+                            tokenizer)
+    forms = {r["form"] for recs in rec["lpbq_by_graph"].values() for r in recs}
+    assert "lpbq int4" in forms
+    src = artifact / "quantized" / "decode.onnx"
+    binary = qnn.build_context_binary(src, tmp_path)
+    cmp = qnn.run_and_compare(src, binary.model, qnn.random_feeds(src))
+    assert cmp.argmax_agreement["logits"] == 1.0
