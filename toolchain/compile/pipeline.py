@@ -165,6 +165,37 @@ def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list
     return qnn.emit_qnn(graph_files, folder / "qnn", recipe.qnn, stage_feeds(sessions, cases))
 
 
+def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> dict[str, Any]:
+    """HTP binaries of every quantized graph (integer kernels, no fp16 flag), each run on one call of
+    held-out text and gated against the CPU EP's QDQ simulation, then the lockstep greedy run."""
+    from toolchain.artifact.manifest import Manifest
+    from toolchain.qnn import context as qnn
+    from toolchain.qnn.lockstep import lockstep_gate
+    from toolchain.quantize.calibrate import corpus_tokens, family_feeds
+    from toolchain.quantize.ppl import QUANT_DIR
+
+    qdir = folder / QUANT_DIR
+    spec = recipe.qnn.model_copy(update={"fp16": False})
+    sessions = ArtifactSessions(qdir, max_resident_bytes=PART_BUDGET_BYTES)
+    held = corpus_tokens(loaded.tokenizer, "heldout", 2048)
+    feeds: dict[str, dict[str, Any]] = {}
+    for fam in sessions.families():
+        values = dict(next(iter(family_feeds(sessions, fam, held, 1, seed=1))))
+        for stage in sessions.chain(fam):  # parts get the residual stream their predecessor produced
+            feeds[stage.name] = {k: values[k] for k in stage.input_names if k in values}
+            values.update(sessions.run_stage(stage, feeds[stage.name]))
+    files = {name: qdir / stage.file for name, stage in sessions.stages.items()}
+    records = qnn.emit_qnn(files, qdir / "qnn", spec, feeds)
+    result: dict[str, Any] = {"graphs": records}
+    if spec.verify and spec.lockstep_tokens and records and records[0]["status"] != "skipped":
+        ids = loaded.tokenizer(recipe.verify.prompt).input_ids[:LOCKSTEP_PROMPT_TOKENS]
+        result["lockstep"] = lockstep_gate(qdir, records, spec, ids)
+    qm = Manifest.load(qdir, check_files=False)
+    qm.qnn, qm.qnn_lockstep = records, result.get("lockstep")
+    qm.write(qdir)
+    return result
+
+
 def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force: bool = False,
                    reporter: Reporter | None = None) -> CompileResult:
     reporter = reporter or Reporter()
@@ -238,7 +269,7 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
             )
             manifest.write(tmp)  # provisional: sessions read it; the folder is not in place yet
         manifest.verification = verify_artifact(tmp, recipe, loaded, cases, timer)
-        if recipe.qnn:
+        if recipe.qnn and not recipe.quantize:  # a quantized recipe's binaries are of its quantized graphs
             with timer.stage(f"qnn context binaries (soc {recipe.qnn.soc_model}, htp v{recipe.qnn.htp_arch})"):
                 manifest.qnn = emit_qnn_stage(tmp, recipe, cases)
             # a diffusion LM has no AR decode graph to run greedily: its block binaries get the one-call gate
@@ -253,6 +284,9 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
             from toolchain.quantize.stage import pipeline_quantize, report_section
 
             manifest.quantization = pipeline_quantize(tmp, recipe, loaded, timer)
+            if recipe.qnn:
+                with timer.stage(f"qnn context binaries of the quantized graphs (soc {recipe.qnn.soc_model})"):
+                    manifest.quantization["qnn"] = quantized_qnn_stage(tmp, recipe, loaded)
             manifest.report_sections.append(report_section(manifest.quantization))
         manifest.timings = timer.timings
         write_report(tmp, manifest)

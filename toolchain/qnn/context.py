@@ -297,6 +297,12 @@ def compare(cpu: Mapping[str, np.ndarray], qnn: Mapping[str, np.ndarray]) -> Com
 
 FP16_HINT = ("If it is inf or very large, activations overflow fp16: add `scale_rmsnorm` (and "
              "`rescale_residual` for residual streams above 65504) to the recipe's passes")
+QUANT_HINT = ("The HTP runs the integer kernels the CPU EP simulates: a gap this large points at an encoding "
+              "the HTP treats differently; `mobc eval qnn` compares the quantized graphs call by call")
+
+
+def gate_hint(spec: QnnSpec) -> str:
+    return FP16_HINT if spec.fp16 else QUANT_HINT
 
 
 def check_gate(graph: str, cmp: Comparison, spec: QnnSpec) -> None:
@@ -306,7 +312,7 @@ def check_gate(graph: str, cmp: Comparison, spec: QnnSpec) -> None:
         if agree < spec.min_top1:
             raise QnnMismatchError(
                 f"{where}: {name} keeps the CPU EP's argmax on {agree:.1%} of its rows < qnn.min_top1 "
-                f"{spec.min_top1:.0%} (max |diff| {cmp.max_abs[name]:.3g}). {FP16_HINT}; lower qnn.min_top1 "
+                f"{spec.min_top1:.0%} (max |diff| {cmp.max_abs[name]:.3g}). {gate_hint(spec)}; lower qnn.min_top1 "
                 "only if you accept different tokens on the phone"
             )
     if spec.max_rel is not None:
@@ -314,13 +320,13 @@ def check_gate(graph: str, cmp: Comparison, spec: QnnSpec) -> None:
             if not name.startswith("logits") and not rel <= spec.max_rel:
                 raise QnnMismatchError(
                     f"{where}: output {name!r} differs from the CPU EP by {rel:.3g} of its largest |value| "
-                    f"> qnn.max_rel {spec.max_rel:g} (max |diff| {cmp.max_abs[name]:.4g}). {FP16_HINT}"
+                    f"> qnn.max_rel {spec.max_rel:g} (max |diff| {cmp.max_abs[name]:.4g}). {gate_hint(spec)}"
                 )
     worst_name, worst = cmp.worst
     if spec.max_abs is not None and not worst <= spec.max_abs:
         raise QnnMismatchError(
             f"{where}: output {worst_name!r} differs from the CPU EP by {worst:.4g} > qnn.max_abs "
-            f"{spec.max_abs:g}. {FP16_HINT}"
+            f"{spec.max_abs:g}. {gate_hint(spec)}"
         )
 
 

@@ -88,6 +88,6 @@ def lockstep_gate(folder: Path, records: list[dict[str, Any]], spec: qnn.QnnSpec
         raise qnn.QnnMismatchError(
             f"QNN HTP binaries of {fam!r}: greedy decoding in lockstep with the CPU graphs keeps the CPU's "
             f"token on {result['argmax_agreement']:.0%} of {result['tokens']} steps < qnn.min_lockstep "
-            f"{spec.min_lockstep:.0%} (max |logit diff| {result['logits_max_abs']:.3g}). {qnn.FP16_HINT}"
+            f"{spec.min_lockstep:.0%} (max |logit diff| {result['logits_max_abs']:.3g}). {qnn.gate_hint(spec)}"
         )
     return result
