@@ -156,6 +156,13 @@ def test_compare_counts_non_finite_as_worst():
     assert c.worst == ("h", float("inf"))
 
 
+def test_top1_counts_near_ties_as_kept_only_within_the_tie():
+    cpu = {"logits": np.array([[[1.0, 0.99, 0.0, 0.0], [1.0, 0.5, 0.0, 0.0]]], np.float32)}
+    got = {"logits": np.array([[[0.98, 0.99, 0.0, 0.0], [0.4, 0.5, 0.0, 0.0]]], np.float32)}  # both rows pick 1
+    assert qnn.compare(cpu, got).argmax_agreement["logits"] == 0.0
+    assert qnn.compare(cpu, got, tie=0.02).argmax_agreement["logits"] == 0.5  # 0.01 apart: a tie; 0.5: not
+
+
 def test_qnn_marked_tests_fail_not_skip_where_the_backend_is_declared(monkeypatch):
     """tests/conftest.py: on Linux x86_64 (onnxruntime-qnn is a declared dependency) a missing backend
     fails every qnn-marked test; elsewhere they skip."""
