@@ -57,6 +57,14 @@ def _lm_head(graph: ir.Graph) -> ir.Node | None:
     return node if node is not None and linear_weight(node) is not None else None
 
 
+def _q8_grid(e: np.ndarray, block: int):
+    """The symmetric int8 block grid of a [V, C] head weight along C (GGUF Q8_0), or None."""
+    if e.shape[1] % block:
+        return None
+    fit = fit_block_grid(np.ascontiguousarray(e.T), block, "int8")
+    return fit if fit is not None and fit.offset is None else None
+
+
 def _table(graph: ir.Graph, node: ir.Node, e: np.ndarray, name: str) -> ir.Value:
     """The float [V, C] table to gather candidate rows from: the tied head's own initializer
     (the embedding's), else an initializer holding the same bytes, else a new one."""
@@ -99,8 +107,8 @@ def _rewrite(graph: ir.Graph, node: ir.Node, cfg: PassConfig) -> bool:
     e, wname = linear_weight(node)  # [V, C]
     v, c = e.shape
     block = cfg.block_size
-    fit = fit_block_grid(np.ascontiguousarray(e.T), block, "int8") if c % block == 0 else None
-    if fit is None or fit.offset is not None:
+    fit = _q8_grid(e, block)
+    if fit is None:
         return False
     x = node.inputs[0]
     lead = shape_of(x)[:-1]
@@ -186,14 +194,6 @@ class CertifiedLmHead(GraphPass):
         return True
 
     def ensures(self, model: ir.Model) -> None:
-        out = next((v for v in model.graph.outputs if v.name == OUTPUT), None)
-        if out is None:
-            return
-        node = out.producer()
-        if node is not None and node.op_type == "Reshape":
-            node = node.inputs[0].producer()
-        if node is not None and linear_weight(node) is not None:
-            w = linear_weight(node)[0]
-            if w.shape[1] % self.config.block_size == 0 and fit_block_grid(
-                    np.ascontiguousarray(w.T), self.config.block_size, "int8") is not None:
-                raise AssertionError(f"{OUTPUT} is still a float MatMul over a Q8_0 weight")
+        node = _lm_head(model.graph)
+        if node is not None and _q8_grid(linear_weight(node)[0], self.config.block_size) is not None:
+            raise AssertionError(f"{OUTPUT} is still a float MatMul over a Q8_0 weight")

@@ -32,12 +32,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from toolchain.errors import QuantizeError
+from toolchain.quantize.source_grid import node_attr, set_initializer
 
 LPBQ_LEVELS = 16  # 4-bit integer block scales 1..16 (4-bit codes expanded to 8 on the HTP)
-
-
-def _attr(node: onnx.NodeProto, name: str) -> Any:
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
 
 
 def lpbq_scales(scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -69,22 +66,22 @@ def to_htp_forms(model: onnx.ModelProto) -> list[dict[str, Any]]:
         if mm.op_type != "MatMul" or _activation_bits(producer.get(mm.input[0]), inits) != 8:
             continue
         wdq = producer.get(mm.input[1])
-        if wdq is None or wdq.op_type != "DequantizeLinear" or not _attr(wdq, "block_size"):
+        if wdq is None or wdq.op_type != "DequantizeLinear" or not node_attr(wdq, "block_size"):
             continue
-        if wdq.input[0] not in inits or wdq.input[1] not in inits or _attr(wdq, "axis") != 0:
+        if wdq.input[0] not in inits or wdq.input[1] not in inits or node_attr(wdq, "axis") != 0:
             continue
         codes_t, scale_t = inits[wdq.input[0]], inits[wdq.input[1]]
         codes = numpy_helper.to_array(codes_t).astype(np.int32)
         scale = numpy_helper.to_array(scale_t).astype(np.float32)
-        block = int(_attr(wdq, "block_size"))
+        block = int(node_attr(wdq, "block_size"))
         if codes_t.data_type == TensorProto.INT8:
             if not np.all(scale == scale[:1]):
                 raise QuantizeError(
                     f"MatMul {mm.name!r}: int8 block weights next to 8-bit activations have no QNN HTP form; "
                     "give the node's input 16-bit activations (a quantize.overrides entry) or int4 weights")
-            _replace(inits, scale_t, scale[0])
+            set_initializer(inits, scale_t.name, scale[0])
             if len(wdq.input) > 2 and wdq.input[2] in inits:
-                _replace(inits, inits[wdq.input[2]], np.zeros(scale.shape[1], np.int8))
+                set_initializer(inits, wdq.input[2], np.zeros(scale.shape[1], np.int8))
             del wdq.attribute[:]
             wdq.attribute.append(helper.make_attribute("axis", 1))
             records.append({"matmul": mm.name, "weight": wdq.input[0], "form": "per-channel int8 (exact)"})
@@ -96,7 +93,7 @@ def to_htp_forms(model: onnx.ModelProto) -> list[dict[str, Any]]:
         new_scale = k.astype(np.float32) * per_channel
         new_codes = np.clip(np.round(w / np.repeat(new_scale, block, axis=0)), -8, 7)
         err = np.abs(new_codes * np.repeat(new_scale, block, axis=0) - w)
-        _replace(inits, codes_t, new_codes.astype(ml_dtypes.int4))
+        set_initializer(inits, codes_t.name, new_codes.astype(ml_dtypes.int4))
         base = scale_t.name
         k_name, s_name, z_name = f"{base}.lpbq_int", f"{base}.lpbq_channel", f"{base}.lpbq_zero"
         for name, arr in ((k_name, k), (s_name, per_channel), (z_name, np.zeros(per_channel.shape, np.uint8))):
@@ -118,6 +115,3 @@ def to_htp_forms(model: onnx.ModelProto) -> list[dict[str, Any]]:
         model.graph.node.insert(nodes.index(before), node)
     return records
 
-
-def _replace(inits: dict[str, onnx.TensorProto], old: onnx.TensorProto, arr: np.ndarray) -> None:
-    old.CopyFrom(numpy_helper.from_array(np.asarray(arr), old.name))

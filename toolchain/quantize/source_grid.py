@@ -22,6 +22,7 @@ them afterwards and checks that DequantizeLinear now reproduces the source weigh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -104,7 +105,8 @@ def _dq_inputs(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
             if n.op_type == "DequantizeLinear" and n.input[0].endswith("_quantized")}
 
 
-def _set(inits: dict[str, onnx.TensorProto], name: str, arr: np.ndarray) -> None:
+def set_initializer(inits: dict[str, onnx.TensorProto], name: str, arr: np.ndarray) -> None:
+    """Overwrites initializer `name` (in the graph, through its proto) with `arr`."""
     inits[name].CopyFrom(numpy_helper.from_array(arr, name))
 
 
@@ -116,17 +118,17 @@ def write_exact_codes(model: onnx.ModelProto, fitted: dict[str, GridWeight], blo
     problems = []
     for name, gw in fitted.items():
         node = dq.get(name)
-        if node is None or _attr(node, "block_size") != block or _attr(node, "axis") != 0:
+        if node is None or node_attr(node, "block_size") != block or node_attr(node, "axis") != 0:
             problems.append(f"{name}: not block-quantized along the input axis with block {block}")
             continue
         codes = gw.fit.codes.astype(NUMPY_INT[gw.fit.dtype])
         if inits[node.input[0]].data_type != numpy_helper.from_array(codes).data_type:
             problems.append(f"{name}: quantized as another integer type than {gw.fit.dtype}")
             continue
-        _set(inits, node.input[0], codes)
-        _set(inits, node.input[1], gw.fit.scale)
+        set_initializer(inits, node.input[0], codes)
+        set_initializer(inits, node.input[1], gw.fit.scale)
         if len(node.input) > 2 and node.input[2]:
-            _set(inits, node.input[2], np.zeros(gw.fit.scale.shape, dtype=codes.dtype))
+            set_initializer(inits, node.input[2], np.zeros(gw.fit.scale.shape, dtype=codes.dtype))
         if gw.indicator is not None:
             ind = dq.get(gw.indicator)
             if ind is None:
@@ -134,8 +136,8 @@ def write_exact_codes(model: onnx.ModelProto, fitted: dict[str, GridWeight], blo
                 continue
             shape = tuple(inits[ind.input[1]].dims)
             old = numpy_helper.to_array(inits[ind.input[0]])
-            _set(inits, ind.input[0], (old.astype(np.float32) != 0).astype(np.int8).astype(old.dtype))
-            _set(inits, ind.input[1], np.ones(shape, np.float32))
+            set_initializer(inits, ind.input[0], (old.astype(np.float32) != 0).astype(np.int8).astype(old.dtype))
+            set_initializer(inits, ind.input[1], np.ones(shape, np.float32))
             problems += _offset_per_channel(inits, dq.get(gw.offset), gw)
     for name, gw in fitted.items():
         want = gw.fit.symmetric()
@@ -158,16 +160,17 @@ def _offset_per_channel(inits: dict[str, onnx.TensorProto], node: onnx.NodeProto
     c = gw.fit.offset
     scale = (np.abs(c).max(0) / 127).astype(np.float32)
     scale[scale == 0] = 1.0
-    _set(inits, node.input[0], np.clip(np.round(c / scale), -127, 127).astype(np.int8))
-    _set(inits, node.input[1], scale)
+    set_initializer(inits, node.input[0], np.clip(np.round(c / scale), -127, 127).astype(np.int8))
+    set_initializer(inits, node.input[1], scale)
     if len(node.input) > 2 and node.input[2]:
-        _set(inits, node.input[2], np.zeros(scale.shape, np.int8))
+        set_initializer(inits, node.input[2], np.zeros(scale.shape, np.int8))
     del node.attribute[:]
     node.attribute.append(helper.make_attribute("axis", 1))
     return []
 
 
-def _attr(node: onnx.NodeProto, name: str) -> int | None:
+def node_attr(node: onnx.NodeProto, name: str) -> Any:
+    """A node's attribute value, or None."""
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
 
 
@@ -177,8 +180,8 @@ def dequantized(model: onnx.ModelProto, name: str) -> np.ndarray:
     node = _dq_inputs(model)[name]
     q = numpy_helper.to_array(inits[node.input[0]]).astype(np.float32)
     s = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
-    axis = _attr(node, "axis") or 0
-    block = _attr(node, "block_size")
+    axis = node_attr(node, "axis") or 0
+    block = node_attr(node, "block_size")
     if block is None:  # per channel along `axis` (the offset branch's C), or per tensor
         shape = [1] * q.ndim
         shape[axis] = -1
