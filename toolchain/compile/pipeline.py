@@ -144,16 +144,33 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
 LOCKSTEP_PROMPT_TOKENS = 8
 
 
-def stage_feeds(sessions: ArtifactSessions, cases: dict[str, Case]) -> dict[str, dict[str, Any]]:
-    """Each stage graph's inputs on the verification case (parts get the real residual stream)."""
+def stage_feeds(sessions: ArtifactSessions, family_feeds: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each stage graph's inputs when its family's chain runs on `family_feeds[family]` (parts get
+    the real residual stream their predecessor produced)."""
     feeds: dict[str, dict[str, Any]] = {}
-    for family, case in cases.items():
+    for family, family_in in family_feeds.items():
         def record(stage: Any, stage_in: dict[str, Any]) -> dict[str, Any]:
             feeds[stage.name] = stage_in
             return sessions.run_stage(stage, stage_in)
 
-        run_chain(sessions.chain(family), case.feeds, record)
+        run_chain(sessions.chain(family), family_in, record)
     return feeds
+
+
+def lockstep_applies(records: list[dict[str, Any]], spec: Any, loaded: LoadedModel) -> bool:
+    """Whether the qnn: gate's lockstep runs: on, binaries built, and an AR model (a diffusion LM has
+    no AR decode graph; its block binaries get the one-call gate)."""
+    return bool(spec.verify and spec.lockstep_tokens and records and records[0]["status"] != "skipped"
+                and not loaded.diffusion)
+
+
+def lockstep_stage(folder: Path, records: list[dict[str, Any]], spec: Any, recipe: Recipe,
+                   loaded: LoadedModel) -> dict[str, Any]:
+    """The qnn: gate's greedy lockstep through the binaries `records` lists, on the verify prompt."""
+    from toolchain.qnn.lockstep import lockstep_gate
+
+    ids = loaded.tokenizer(recipe.verify.prompt).input_ids[:LOCKSTEP_PROMPT_TOKENS]
+    return lockstep_gate(folder, records, spec, ids)
 
 
 def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list[dict[str, Any]]:
@@ -162,7 +179,8 @@ def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list
 
     sessions = ArtifactSessions(folder)
     graph_files = {name: folder / stage.file for name, stage in sessions.stages.items()}
-    return qnn.emit_qnn(graph_files, folder / "qnn", recipe.qnn, stage_feeds(sessions, cases))
+    feeds = stage_feeds(sessions, {family: case.feeds for family, case in cases.items()})
+    return qnn.emit_qnn(graph_files, folder / "qnn", recipe.qnn, feeds)
 
 
 def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> dict[str, Any]:
@@ -170,7 +188,6 @@ def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> di
     held-out text and gated against the CPU EP's QDQ simulation, then the lockstep greedy run."""
     from toolchain.artifact.manifest import Manifest
     from toolchain.qnn import context as qnn
-    from toolchain.qnn.lockstep import lockstep_gate
     from toolchain.quantize.calibrate import corpus_tokens, family_feeds
     from toolchain.quantize.ppl import QUANT_DIR
 
@@ -178,20 +195,15 @@ def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> di
     spec = recipe.qnn.model_copy(update={"fp16": False})
     sessions = ArtifactSessions(qdir, max_resident_bytes=PART_BUDGET_BYTES)
     held = corpus_tokens(loaded.tokenizer, "heldout", 2048)
-    feeds: dict[str, dict[str, Any]] = {}
-    for fam in sessions.families():
-        values = dict(next(iter(family_feeds(sessions, fam, held, 1, seed=1))))
-        for stage in sessions.chain(fam):  # parts get the residual stream their predecessor produced
-            feeds[stage.name] = {k: values[k] for k in stage.input_names if k in values}
-            values.update(sessions.run_stage(stage, feeds[stage.name]))
+    calls = {fam: next(iter(family_feeds(sessions, fam, held, 1, seed=1))) for fam in sessions.families()}
     files = {name: qdir / stage.file for name, stage in sessions.stages.items()}
-    records = qnn.emit_qnn(files, qdir / "qnn", spec, feeds)
+    records = qnn.emit_qnn(files, qdir / "qnn", spec, stage_feeds(sessions, calls))
     result: dict[str, Any] = {"graphs": records}
-    if spec.verify and spec.lockstep_tokens and records and records[0]["status"] != "skipped":
-        ids = loaded.tokenizer(recipe.verify.prompt).input_ids[:LOCKSTEP_PROMPT_TOKENS]
-        result["lockstep"] = lockstep_gate(qdir, records, spec, ids)
+    lockstep = lockstep_stage(qdir, records, spec, recipe, loaded) if lockstep_applies(records, spec, loaded) else None
+    if lockstep is not None:
+        result["lockstep"] = lockstep
     qm = Manifest.load(qdir, check_files=False)
-    qm.qnn, qm.qnn_lockstep = records, result.get("lockstep")
+    qm.qnn, qm.qnn_lockstep = records, lockstep
     qm.write(qdir)
     return result
 
@@ -272,14 +284,9 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
         if recipe.qnn and not recipe.quantize:  # a quantized recipe's binaries are of its quantized graphs
             with timer.stage(f"qnn context binaries (soc {recipe.qnn.soc_model}, htp v{recipe.qnn.htp_arch})"):
                 manifest.qnn = emit_qnn_stage(tmp, recipe, cases)
-            # a diffusion LM has no AR decode graph to run greedily: its block binaries get the one-call gate
-            if (recipe.qnn.verify and recipe.qnn.lockstep_tokens and not loaded.diffusion
-                    and manifest.qnn[0]["status"] != "skipped"):
+            if lockstep_applies(manifest.qnn, recipe.qnn, loaded):
                 with timer.stage(f"qnn lockstep greedy {recipe.qnn.lockstep_tokens} tokens (emulated HTP)"):
-                    from toolchain.qnn.lockstep import lockstep_gate
-
-                    ids = loaded.tokenizer(recipe.verify.prompt).input_ids[:LOCKSTEP_PROMPT_TOKENS]
-                    manifest.qnn_lockstep = lockstep_gate(tmp, manifest.qnn, recipe.qnn, ids)
+                    manifest.qnn_lockstep = lockstep_stage(tmp, manifest.qnn, recipe.qnn, recipe, loaded)
         if recipe.quantize:  # after passes and float verification: writes tmp/quantized/
             from toolchain.quantize.stage import pipeline_quantize, report_section
 
