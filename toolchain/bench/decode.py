@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from toolchain.bench.prompts import encode
 from toolchain.cost.model import CostModel, GraphCost
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
@@ -113,23 +114,33 @@ class PolicyResult:
 def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str], prompts: list[str],
                  max_new_tokens: int, gamma: int, temperature: float, device: str,
                  target_dram: float, draft_dram: float, log=print,
-                 baselines: list[StepModel] = ()) -> dict[str, Any]:
+                 baselines: list[StepModel] = (), other_drafts: list[Any] = ()) -> dict[str, Any]:
     """`baselines`: other artifacts of the same model (e.g. the float one beside an int4 one), each
     decoded by ar on the same prompt ids, interleaved prompt by prompt with the target's policies;
-    their rows are named `ar@<artifact name>` and compared token for token with the target's ar."""
+    their rows are named `ar@<artifact name>` and compared token for token with the target's ar.
+    `other_drafts`: more drafts for the same speculative policies (e.g. a draft head beside a
+    layer-truncated draft); their rows are named `<policy>@<draft folder name>`."""
     if "ar" not in policies:
         policies = ["ar", *policies]  # the baseline every ratio is read against
     pol = {name: make_policy(name, target, draft, gamma=gamma) for name in policies}
     owner = {name: "target" for name in policies}
+    draft_key = {name: "draft" for name in policies}
+    for i, d in enumerate(other_drafts):
+        for name in policies:
+            if name != "ar":
+                row = f"{name}@{step_model(d).folder.name}"
+                pol[row], owner[row], draft_key[row] = make_policy(name, target, d, gamma=gamma), "target", f"draft{i}"
     for b in baselines:
         name = f"ar@{b.name}"
         pol[name], owner[name] = make_policy("ar", b), name
-    for m in (target, draft, *baselines):
+    for m in (target, draft, *baselines, *other_drafts):
         if m is not None:
             warmup(step_model(m))
     predictors = {"target": Predictor.build(target, device, target_dram)}
     if draft is not None:
         predictors["draft"] = Predictor.build(step_model(draft), device, draft_dram)
+    for i, d in enumerate(other_drafts):
+        predictors[f"draft{i}"] = Predictor.build(step_model(d), device, draft_dram)
     for b in baselines:
         predictors[f"ar@{b.name}"] = Predictor.build(b, device, target_dram)
     tok = target.tokenizer
@@ -137,7 +148,7 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
     results = {name: PolicyResult(name) for name in pol}
     skipped = 0
     for i, text in enumerate(prompts):
-        ids = tok(text).input_ids
+        ids = encode(tok, text)
         # same budget for every policy, and no policy may run out of context
         n_new = min(max_new_tokens, target.context - widest_verify - len(ids) - 1)
         if n_new < 8:
@@ -155,7 +166,7 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
             wall = time.perf_counter() - t - p.stats.prefill_seconds
             s = p.stats
             r = results[name]
-            phone = s.phone_seconds(predictors[owner[name]], predictors.get("draft"))
+            phone = s.phone_seconds(predictors[owner[name]], predictors.get(draft_key.get(name, "draft")))
             same = ref is None or out == ref
             if name == "ar":
                 ref = out

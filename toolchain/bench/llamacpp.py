@@ -26,7 +26,7 @@ def source_gguf(manifest: Manifest) -> Path | None:
     return None
 
 
-def bench(gguf: Path, prompts: list[str], n_new: list[int], threads: int | None, context: int) -> dict[str, Any]:
+def bench(gguf: Path, prompts: list[list[int]], n_new: list[int], threads: int | None, context: int) -> dict[str, Any]:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads or None, n_batch=128,
@@ -34,8 +34,7 @@ def bench(gguf: Path, prompts: list[str], n_new: list[int], threads: int | None,
     tokens = 0
     seconds = 0.0
     prompt_seconds: list[float] = []
-    for text, n in zip(prompts, n_new, strict=True):
-        ids = llm.tokenize(text.encode(), add_bos=False)
+    for ids, n in zip(prompts, n_new, strict=True):  # mobc's token ids: the same prompt for every row
         if n < 2:
             continue
         stamps: list[float] = []

@@ -11,6 +11,7 @@ from toolchain.cli.common import (
     EP_OPTION,
     PROVIDER,
     THREADS,
+    attach_draft,
     console,
     err,
     fmt,
@@ -21,15 +22,19 @@ from toolchain.cli.common import (
 )
 from toolchain.errors import MobcError
 
+PROMPTS_HELP = "humaneval:N, chat:N (the shipped chat prompts) or file:PATH; join sets with +"
+
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables (and write JSON).")
 
 
 @app.command("decode")
 def bench_decode(
     artifact: Path = typer.Argument(..., help="target artifact folder"),
-    draft: Path | None = typer.Option(None, "--draft", help="draft artifact folder"),
-    policies: str = typer.Option("ar,chain", "--policies", help="comma-separated policies"),
-    prompts: str = typer.Option("humaneval:20", "--prompts", help="humaneval:N or file:PATH"),
+    draft: list[Path] = typer.Option([], "--draft", help="draft artifact folder; repeat it for rows of the same "
+                                     "policies with another draft (<policy>@<folder>), in the same run"),
+    policies: str = typer.Option("ar,chain", "--policies", help="comma-separated policies (+lookup: add the "
+                                 "context's own continuation to the draft's proposals)"),
+    prompts: str = typer.Option("humaneval:20", "--prompts", help=PROMPTS_HELP),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     gamma: int = typer.Option(4, "--gamma"),
     temperature: float = typer.Option(0.0, "--temperature"),
@@ -51,21 +56,22 @@ def bench_decode(
     """Run policies on the same prompts; print CPU speed, acceptance and predicted phone latency."""
     from toolchain.bench import llamacpp as lcpp
     from toolchain.bench.decode import bench_decode as run_bench
-    from toolchain.bench.prompts import load_prompts
+    from toolchain.bench.prompts import encode, load_prompts
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    if any(n != "ar" for n in names) and draft is None:
+    if any(n != "ar" for n in names) and not draft:
         raise MobcError(f"--policies {policies}: speculative policies need --draft <artifact folder>")
     texts = load_prompts(prompts)
-    target, drafter = load_models(artifact, draft, provider, threads, ep_option)
+    target, drafter = load_models(artifact, draft[0] if draft else None, provider, threads, ep_option)
+    others = [attach_draft(target, d, provider, threads, ep_option) for d in draft[1:]]
     baselines = [load_models(b, None, provider, threads, ep_option)[0] for b in baseline]
     res = run_bench(target, drafter, names, texts, max_new_tokens, gamma, temperature, device,
-                    target_dram, draft_dram, log=log, baselines=baselines)
+                    target_dram, draft_dram, log=log, baselines=baselines, other_drafts=others)
     ar_row = next(r for r in res["rows"] if r["policy"] == "ar")
     gguf = lcpp.source_gguf(target.manifest)
     if llamacpp and lcpp.available() and gguf is not None:
         n_new = [d["tokens"] for d in res["details"]["ar"]]
-        used = [texts[d["prompt"]] for d in res["details"]["ar"]]
+        used = [encode(target.tokenizer, texts[d["prompt"]]) for d in res["details"]["ar"]]
         lc = lcpp.bench(gguf, used, n_new, threads, target.context)
         lc["mobc_ar_over_llamacpp"] = ar_row["tokens_per_s_cpu"] / lc["tokens_per_s_cpu"]
         res["llamacpp"] = lc
@@ -80,7 +86,7 @@ def bench_decode(
         if not genai_peer.available():
             raise MobcError("--genai needs onnxruntime-genai: pip install onnxruntime-genai")
         details = res["details"]["ar"]
-        ids = [target.tokenizer(texts[d["prompt"]]).input_ids for d in details]
+        ids = [encode(target.tokenizer, texts[d["prompt"]]) for d in details]
         res["genai"] = genai_peer.bench(genai, ids, [d["tokens"] for d in details], threads,
                                         [d["output"] for d in details])
 
@@ -123,7 +129,7 @@ def bench_lever(
     artifact: Path = typer.Argument(..., help="target artifact (tree widths, split_lm_head, split_layers)"),
     draft: Path = typer.Option(..., "--draft", help="draft artifact folder"),
     policies: str = typer.Option("ar,chain,lever,lever+prune,ahasd", "--policies"),
-    prompts: str = typer.Option("humaneval:20", "--prompts", help="humaneval:N or file:PATH"),
+    prompts: str = typer.Option("humaneval:20", "--prompts", help=PROMPTS_HELP),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     gamma: int = typer.Option(4, "--gamma", help="draft tokens per chain/ahasd verify"),
     device: str = typer.Option("snapdragon-8-gen-3", "--device"),

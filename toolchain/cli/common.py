@@ -48,14 +48,20 @@ def load_models(artifact: Path, draft: Path | None, provider: str, threads: int 
     """(target, draft or None) StepModels on one provider."""
     from toolchain.runtime.model import StepModel
 
-    opts = ep_options(ep)
-    target = StepModel(artifact, provider, threads, opts)
-    drafter = StepModel(draft, provider, threads, opts) if draft else None
-    if drafter is not None and drafter.manifest.model.draft_head is not None:
+    target = StepModel(artifact, provider, threads, ep_options(ep))
+    return target, attach_draft(target, draft, provider, threads, ep) if draft else None
+
+
+def attach_draft(target: Any, draft: Path, provider: str, threads: int | None, ep: list[str]):
+    """A draft artifact for `target`: a StepModel, or a draft head's adapter (it reads the target's features)."""
+    from toolchain.runtime.model import StepModel
+
+    drafter = StepModel(draft, provider, threads, ep_options(ep))
+    if drafter.manifest.model.draft_head is not None:
         from toolchain.runtime.head_draft import HeadDraft
 
-        drafter = HeadDraft(drafter, target)  # reads the target's features as it commits
-    return target, drafter
+        return HeadDraft(drafter, target)  # reads the target's features as it commits
+    return drafter
 
 
 def load_source(artifact: Path) -> Any:

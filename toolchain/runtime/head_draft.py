@@ -236,5 +236,7 @@ class HeadDraftTree(DraftTree):
 
 
 def tree_drafter(draft) -> DraftTree:
-    """Lever's drafter for a draft model: a head's own, or the plain StepModel one."""
+    """Lever's drafter for a draft model: its own (a lookup wrapper's), a head's, or the plain StepModel one."""
+    if hasattr(type(draft), "tree_drafter"):
+        return draft.tree_drafter()
     return HeadDraftTree(draft) if isinstance(draft, HeadDraft) else DraftTree(draft)

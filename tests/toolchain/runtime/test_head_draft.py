@@ -167,3 +167,34 @@ def test_feeding_several_tokens_past_the_target_drafts_each_on_the_previous_rows
         want = apart.feed([tok])
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert together.calls == apart.calls
+
+
+@pytest.mark.parametrize("policy", ["chain", "lever", "ahasd"])
+def test_lookup_proposals_keep_ars_tokens_track_the_draft_cache_and_raise_acceptance(world, policy):
+    """+lookup on a head: same tokens as ar; the wrapper's text is the head's cache text after every
+    chunk; on a prompt whose continuation repeats itself, more drafts are accepted than without it."""
+    from toolchain.runtime.lookup import LookupDraft
+
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    ar = make_policy("ar", target)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    want = generate(ar, ids, 12)
+    # the tiny target loops: feeding it its own output twice makes the continuation a repeat
+    ids = ids + want + want
+    want = generate(ar, ids, 16)
+    accepted = {}
+    for name in (policy, f"{policy}+lookup"):
+        head = HeadDraft(StepModel(head_dir), target)
+        pol = make_policy(name, target, head, gamma=3)
+        out: list[int] = []
+        for chunk in pol.generate(ids, 16, Sampler()):
+            out += chunk
+            if isinstance(pol.draft, LookupDraft) and policy != "ahasd":  # ahasd's drafter runs ahead
+                assert pol.draft.tokens == head.tokens == (ids + out)[: head.length]
+        assert out == want, name
+        accepted[name] = sum(pol.stats.accepted)
+        if name.endswith("+lookup"):
+            assert pol.draft.proposals > 0
+    if policy != "ahasd":  # ahasd verifies whatever is staged when its deadline passes: timing decides
+        assert accepted[f"{policy}+lookup"] > accepted[policy] + 3, accepted

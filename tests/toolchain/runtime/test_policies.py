@@ -147,7 +147,8 @@ def test_cli_run_and_bench_decode(artifacts, tmp_path):
     out = tmp_path / "bench.json"
     res = runner.invoke(app, ["bench", "decode", str(target_dir), "--draft", str(draft_dir), "--prompts",
                               f"file:{prompts}", "--max-new-tokens", "16", "--no-llamacpp", "--json", str(out),
-                              "--baseline", str(target_dir), "--baseline", str(draft_dir)])
+                              "--baseline", str(target_dir), "--baseline", str(draft_dir),
+                              "--draft", str(target_dir), "--policies", "ar,chain,chain+lookup"])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     rows = {r["policy"]: r for r in data["rows"]}
@@ -156,6 +157,12 @@ def test_cli_run_and_bench_decode(artifacts, tmp_path):
     assert rows[same]["identical_to_ar"] == 3 and rows[same]["tokens"] == rows["ar"]["tokens"]
     assert rows[other]["tokens"] > 0 and rows[other]["tokens_per_s_cpu"] > 0
     assert rows["chain"]["identical_to_ar"] == data["prompts"] == 3
+    # a second --draft: the same policies with it, in the same run; the target as its own draft is
+    # always accepted, so its rows take many more tokens per target call than the other draft's
+    for name in ("chain", "chain+lookup"):
+        second = rows[f"{name}@{target_dir.name}"]
+        assert second["identical_to_ar"] == 3 and rows[name]["identical_to_ar"] == 3
+        assert second["tokens_per_target_call"] > rows[name]["tokens_per_target_call"] + 1.5, (name, rows)
     assert rows["ar"]["target_calls_per_token"] == pytest.approx(1.0, abs=0.1)
     assert rows["chain"]["phone_ms_per_token"] > 0
     # chain's speedup is ar's phone time per token over chain's (not a ratio of ar with itself)

@@ -23,7 +23,20 @@ LAZY_POLICIES.update({"ctg": "toolchain.runtime.policies.ctg:make", "ds2d": "too
 
 def make_policy(name: str, target: StepModel, draft: StepModel | None = None, gamma: int = 4,
                 **options) -> Policy:
-    """Build a policy by name; `options` go to policies that take them (e.g. lever's cost profile)."""
+    """Build a policy by name; `options` go to policies that take them (e.g. lever's cost profile).
+
+    `+lookup` on any drafting policy (chain+lookup, lever+lookup, ahasd+lookup) blends the context's
+    own continuation into the draft's proposals (toolchain/runtime/lookup.py)."""
+    parts = name.split("+")
+    if "lookup" in parts:
+        if draft is None:
+            raise MobcError(f"policy {name}: +lookup adds proposals to a draft model's; pass --draft too")
+        from toolchain.runtime.lookup import LookupDraft
+
+        parts.remove("lookup")
+        policy = make_policy("+".join(parts), target, LookupDraft(draft), gamma=gamma, **options)
+        policy.name = name
+        return policy
     base, _, variant = name.partition("+")  # e.g. lever+prune: a named configuration of a policy
     if base in LAZY_POLICIES:
         import importlib

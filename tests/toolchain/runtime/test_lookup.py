@@ -1,0 +1,38 @@
+"""Context lookup: the proposal rule, the blended distribution, and its bookkeeping under the policies."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from toolchain.runtime.lookup import Proposal, blend, confidence, propose
+
+
+def test_propose_takes_the_longest_then_the_most_recent_match():
+    #         0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 1, 2, 9, 7, 1, 2, 8, 3, 1, 2]
+    # suffix [1, 2] ends at 2 and at 6 (match 2 both; [x,1,2] differs): the most recent wins -> 8
+    assert propose(tokens) == Proposal(8, 2)
+    # a longer match beats a more recent one: [7, 1, 2] ends at 6 only
+    assert propose([7, 1, 2, 4, 0, 1, 2, 6, 7, 1, 2]) == Proposal(4, 3)
+    assert propose([1, 2, 3, 4]) is None  # the last token never occurred before
+    assert propose([4, 2, 3, 2]) is None  # a match of 1 is below min_match
+    assert propose([4, 2, 3, 2], min_match=1) == Proposal(3, 1)
+    assert propose([1, 2, 3] * 4, max_match=4) == Proposal(1, 4)  # capped; the latest of the longest
+
+
+def test_blend_is_the_mixture_it_claims():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=50).astype(np.float32) * 3
+    logits[:10] = -1e4  # masked rows (a head's tokens outside its vocabulary) stay negligible
+    p = 0.7
+    out = blend(logits, Proposal(3, 2), p)
+    q = np.exp(logits - logits.max())
+    q /= q.sum()
+    want = (1 - p) * q
+    want[3] += p
+    got = np.exp(out.astype(np.float64) - out.max())
+    got /= got.sum()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+    assert np.isfinite(out).all() and int(np.argmax(out)) == 3
+    assert blend(logits, None, p) is logits
+    assert confidence(2) < confidence(3) < confidence(4) < confidence(9) <= 0.9
