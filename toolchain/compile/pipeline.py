@@ -221,6 +221,7 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
     # refuses anything but an absent/empty folder or (with --force) an artifact; sweeps dead compiles' staging
     # folders beside it; locks out_dir against a concurrent compile until the swap into place
     claim_output(out_dir, force)
+    assets = asset_files(recipe, recipe_path)  # a missing shipped file fails before any work
 
     with timer.stage("load model", recipe.source.describe()):
         # a head recipe reads the target's embeddings and runs it for the reference: load it whole
@@ -234,16 +235,31 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, force
     try:
         spill = disk.Spill(scratch)
         with disk.spilling(spill):
-            return _compile(recipe, recipe_path, out_dir, force, loaded, timer, spill)
+            return _compile(recipe, recipe_path, out_dir, force, loaded, timer, spill, assets)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def asset_files(recipe: Recipe, recipe_path: Path) -> dict[str, Path]:
+    """The recipe's shipped assets by artifact file name, each checked to exist."""
+    out = {}
+    for name, spec in recipe.assets.items():
+        path = (recipe_path.parent / spec.file).resolve()
+        if not path.is_file():
+            how = f" (it is made by {spec.made_by.strip()})" if spec.made_by else ""
+            raise RecipeError(f"assets.{name}.file: {path} does not exist{how}; restore it from the repository "
+                              "or re-create it, or drop the asset from the recipe")
+        out[name] = path
+    return out
+
+
 def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, loaded: LoadedModel,
-             timer: StageTimer, spill: disk.Spill) -> CompileResult:
+             timer: StageTimer, spill: disk.Spill, assets: dict[str, Path]) -> CompileResult:
     if recipe.head is not None:
         from toolchain.compile.head_pipeline import compile_head
 
+        if assets:
+            raise RecipeError("assets: a draft head recipe ships none of its own; list them in its target's recipe")
         return compile_head(recipe, recipe_path, out_dir, force, loaded, timer)
     graphs, layouts = export_graphs(recipe, loaded, timer, spill)
     any_layout = next(iter(layouts.values()))
@@ -266,6 +282,8 @@ def _compile(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, load
             spill.clear()
             rope_rec = write_rope(tmp, rope)
             loaded.tokenizer.save_pretrained(tmp / "tokenizer")
+            for name, path in assets.items():  # hashed into manifest.files like every other file
+                shutil.copyfile(path, tmp / name)
             manifest = Manifest(
                 name=recipe.name,
                 source={"spec": recipe.source.model_dump(exclude_none=True), "description": loaded.description,

@@ -78,6 +78,17 @@ class HeadSpec(_Strict):
     made_by: str | None = Field(None, description="the command and seed that re-create the weights")
 
 
+class AssetSpec(_Strict):
+    """A small trained file shipped with the repository that the runtime reads from the artifact."""
+
+    file: str = Field(description="the shipped file, relative to the recipe (e.g. ../assets/...)")
+    made_by: str | None = Field(None, description="the command and seed that re-create it")
+
+
+# the runtime's files in an artifact folder: an asset may not take their names
+_RESERVED = {"manifest.json", "report.md", "weights.bin", "rope.npz", "tokenizer", "qnn", "quantized"}
+
+
 class Tolerance(_Strict):
     max_abs: Annotated[float, Field(gt=0, description="max |diff| of logits vs the reference")] = 1e-3
 
@@ -98,6 +109,17 @@ class Recipe(_Strict):
     quantize: QuantizeSpec | None = Field(None, description="PTQ/QAT to QDQ graphs (toolchain/quantize)")
     output: str | None = Field(None, description="artifact folder (default exported/<name>)")
     head: HeadSpec | None = Field(None, description="compile the draft head trained for `source`, not the model")
+    assets: dict[str, AssetSpec] = Field(default_factory=dict, description="files copied into the artifact under "
+                                         "these names (predictor.json, forecast.npz), so policies run without training")
+
+    @field_validator("assets")
+    @classmethod
+    def _assets(cls, assets: dict[str, AssetSpec]) -> dict[str, AssetSpec]:
+        for name in assets:
+            if not re.match(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", name) or name in _RESERVED or name.endswith(".onnx"):
+                raise ValueError(f"asset name {name!r} must be a plain file name that is not one of the artifact's "
+                                 f"own files ({', '.join(sorted(_RESERVED))}, *.onnx), e.g. predictor.json")
+        return assets
 
     @field_validator("graphs")
     @classmethod

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from toolchain.train import corpus
+from toolchain.train import corpus, onpolicy
 from toolchain.train.draft import DraftTrainError, target_continuations, teacher_states, token_windows
 from toolchain.train.head_model import DraftHead, save_head
 from toolchain.train.loop import timed_adamw_loop
@@ -48,7 +48,10 @@ class HeadConfig:
     feature_weight: float = 1.0  # smooth-L1 feature loss beside the KL
     unroll: int = 2
     corpus_tokens: int = 262_144  # most stdlib tokens; the teacher pass stops at its time share first
-    generated_windows: int = 64
+    generated_windows: int = 16  # target continuations of stdlib windows
+    app_share: float = 0.2  # of the budget: the target's answers to HumanEval / chat prompts (onpolicy.py)
+    app_chat_prompts: int = 160
+    teacher_share: float = 0.12  # of the budget: the teacher pass (~100k tokens; the training sees each ~10x)
     held_out_windows: int = 4
     prompt_len: int = 64
     gamma: int = 4
@@ -134,17 +137,24 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     gen = target_continuations(target, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed,
                                seconds=budget * 0.25)
     gen_held = target_continuations(target, held, cfg.held_out_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed + 1)
-    log(f"target continuations: {len(gen)} training + {len(gen_held)} held-out windows "
-        f"({time.perf_counter() - t0:.0f} s)")
-    windows = torch.cat([gen, w_train]) if len(gen) else w_train
-    states, _ = teacher_states(target, windows, budget * 0.2, cfg.batch, log)
+    prompts = onpolicy.app_prompts(tok, cfg.app_chat_prompts, cfg.seed)
+    app = onpolicy.prompt_continuations(target, prompts[cfg.held_out_windows:], cfg.seq_len, cfg.prompt_len,
+                                        16, budget * cfg.app_share, pad_id=tok.eos_token_id or 0)
+    app_held = onpolicy.prompt_continuations(target, prompts[: cfg.held_out_windows], cfg.seq_len, cfg.prompt_len,
+                                             16, 0.0, pad_id=tok.eos_token_id or 0)
+    log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows, "
+        f"{len(gen_held)} + {len(app_held)} held-out ({time.perf_counter() - t0:.0f} s)")
+    windows = torch.cat([app, gen, w_train])
+    states, _ = teacher_states(target, windows, budget * cfg.teacher_share, cfg.batch, log)
     windows = windows[: len(states)]
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
+    s_app_held, _ = teacher_states(target, app_held, float("inf"), cfg.batch, log)
     eos = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
     vocab_ids = draft_vocabulary([windows.numpy()], cfg.draft_vocab,
                                  target.config.vocab_size, eos)
     e_all = target.get_output_embeddings().weight.detach()
     t_held = F.linear(s_held, e_all).argmax(-1)  # the target's greedy next token after each position
+    t_app_held = F.linear(s_app_held, e_all).argmax(-1)
     coverage = float(torch.isin(t_held[:, cfg.prompt_len:], vocab_ids).float().mean())
     log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.3f} of the target's held-out greedy tokens")
 
@@ -167,14 +177,16 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
                            every=20)
     head.eval()
     accept = chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)
-    log(f"held-out chain gamma={cfg.gamma} on the target's continuations: {accept['tokens_per_call']:.2f} "
-        f"tokens per target call; acceptance by depth {[round(a, 3) for a in accept['accept_at_depth']]}")
+    accept_app = chain_acceptance(head, app_held, s_app_held, t_app_held, cfg.prompt_len, cfg.gamma)
+    for what, a in (("stdlib continuations", accept), ("app-prompt answers", accept_app)):
+        log(f"held-out chain gamma={cfg.gamma} on the target's {what}: {a['tokens_per_call']:.2f} tokens per "
+            f"target call; acceptance by depth {[round(x, 3) for x in a['accept_at_depth']]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_head(head, out_dir / HEAD_FILE)
     report = {"target": recipe.name, "target_source": loaded.description, "config": asdict(cfg),
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
               "vocab_coverage_held_out": coverage, "train_windows": len(windows), "generated_windows": len(gen),
               "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),
-              "held_out": accept, "seconds": round(time.perf_counter() - t0, 1)}
+              "held_out": accept, "held_out_app": accept_app, "app_windows": len(app), "seconds": round(time.perf_counter() - t0, 1)}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
     return report

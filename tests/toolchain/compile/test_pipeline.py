@@ -298,3 +298,38 @@ def test_qnn_lockstep_gate_fails_binaries_that_pick_other_tokens(tiny_dir, tmp_p
     with pytest.raises(MobcError, match="min_lockstep"):
         compile_recipe(recipe)
     assert not (tmp_path / "out" / "badqnn" / "manifest.json").exists()  # nothing that looks complete
+
+
+def test_recipe_assets_are_copied_into_the_artifact_and_checked_before_any_work(tiny_dir, tmp_path, monkeypatch):
+    """assets: shipped trained files land in the artifact under their names, hashed like every file;
+    a missing one fails at once with the command that re-creates it, and leaves nothing."""
+    from toolchain.artifact.manifest import Manifest
+    from toolchain.errors import RecipeError
+
+    shipped = tmp_path / "assets" / "pred.json"
+    shipped.parent.mkdir()
+    shipped.write_text('{"weights": [1, 2, 3]}')
+    extra = f"assets:\n  predictor.json: {{file: assets/pred.json, made_by: mobc train predictor X}}\n"
+    recipe = write_recipe(tmp_path / "a.yaml", tiny_dir, name="withassets", extra=extra)
+    recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
+    out = compile_recipe(recipe).out_dir
+    assert (out / "predictor.json").read_text() == shipped.read_text()
+    assert "predictor.json" in Manifest.load(out).files
+    (out / "predictor.json").write_text('{"weights": [0]}')  # a damaged asset is caught like any file
+    with pytest.raises(ArtifactError, match="predictor.json"):
+        Manifest.load(out)
+
+    (tmp_path / "m").mkdir()
+    missing = write_recipe(tmp_path / "m" / "b.yaml", tiny_dir, name="missing", extra=extra)
+
+    def no_model_load(*a, **k):
+        raise AssertionError("the model was loaded before the missing asset was reported")
+
+    monkeypatch.setattr("toolchain.compile.pipeline.load", no_model_load)
+    with pytest.raises(RecipeError, match=r"assets.predictor.json.file: .*does not exist.*mobc train predictor X"):
+        compile_recipe(missing)
+    assert not (tmp_path / "m" / "out" / "missing").exists()
+    for name in ("weights.bin", "decode.onnx", "../x.json"):
+        bad = write_recipe(tmp_path / "c.yaml", tiny_dir, name="bad", extra=extra.replace("predictor.json", name))
+        with pytest.raises(RecipeError, match="plain file name"):
+            compile_recipe(bad)

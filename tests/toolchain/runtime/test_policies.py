@@ -60,6 +60,19 @@ def test_greedy_chain_equals_ar(artifacts, draft_kind):
                 assert all(k == min(gamma, 30 - 1 - i * (gamma + 1)) for i, k in enumerate(s.accepted))
 
 
+def test_a_confident_draft_fills_the_verify_graphs_free_rows(artifacts):
+    """Past gamma, chain keeps drafting while the draft is confident, up to the verify graph's width
+    (6 here: 5 drafts); the target drafting for itself is always right, so every such round accepts 5."""
+    target_dir, _ = artifacts
+    target, draft = StepModel(target_dir), StepModel(target_dir)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    ref = run(make_policy("ar", target), ids, 30)
+    for extend_at, per_round in ((0.0, 5), (1.01, 2)):  # always confident / never
+        chain = make_policy("chain", target, draft, gamma=2, extend_at=extend_at)
+        assert run(chain, ids, 30) == ref
+        assert chain.stats.accepted[:4] == [per_round] * 4, (extend_at, chain.stats.accepted)
+
+
 def test_chain_with_a_near_draft_accepts_partly_rolls_back_and_stays_lossless(artifacts, near_draft):
     """Acceptance is partial; after every round both caches hold exactly the committed text, and
     each round accepts what the draft's own greedy continuation of the committed text shares with ar."""
@@ -68,7 +81,7 @@ def test_chain_with_a_near_draft_accepts_partly_rolls_back_and_stays_lossless(ar
     ar = make_policy("ar", target)
     kinds = Counter()
     for gamma in (2, 5):
-        chain = make_policy("chain", target, draft, gamma=gamma)
+        chain = make_policy("chain", target, draft, gamma=gamma, extend_at=1.01)  # exactly gamma per round
         for prompt in PROMPTS:
             ids = tiny_tokenizer()(prompt).input_ids
             ref = run(ar, ids, 30)

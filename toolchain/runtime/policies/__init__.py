@@ -46,7 +46,7 @@ def make_policy(name: str, target: StepModel, draft: StepModel | None = None, ga
     if name not in POLICIES:
         raise MobcError(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *LAZY_POLICIES])}")
     if name == "chain":
-        return Chain(target, draft, gamma=gamma)
+        return Chain(target, draft, gamma=gamma, extend_at=options.get("extend_at", 0.8))
     return POLICIES[name](target, draft)
 
 

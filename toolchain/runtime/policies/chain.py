@@ -4,6 +4,10 @@ State between rounds: both caches hold the committed text except the newest toke
 which the target has not seen yet. A round drafts up to gamma tokens with the draft model
 (one width-1 call each), then runs the target once on [pending, d1..dg] through its narrowest
 graph of width >= gamma+1 (causal mask; padding rows are masked off by the cache manager).
+A round drafts past gamma while the draft is confident (its drafted token's probability >=
+`extend_at`) and the verify graph has rows to spare: the call costs the same for any row count up
+to its compiled width, so a confident draft fills the free rows (a long context-lookup match,
++lookup, is the typical case).
 Row i of that call predicts the token after d_i, so accepting k drafts emits k+1 tokens
 (the k drafts and the target's correction or bonus) for one target call; the target
 commits the rows of pending and the k accepted drafts, and the draft cache is rolled back to
@@ -25,7 +29,8 @@ from toolchain.runtime.policies.sampling import Sampler, accept_chain
 class Chain(Policy):
     name = "chain"
 
-    def __init__(self, target: StepModel, draft: StepModel | None = None, gamma: int = 4):
+    def __init__(self, target: StepModel, draft: StepModel | None = None, gamma: int = 4,
+                 extend_at: float = 0.8):
         if draft is None:
             raise MobcError("policy chain needs a draft model: pass --draft <artifact folder>")
         if draft.vocab != target.vocab:
@@ -37,7 +42,9 @@ class Chain(Policy):
             raise MobcError("gamma (draft tokens per round) must be >= 1")
         super().__init__(target, draft)
         self.gamma = gamma
-        target.family_for(gamma + 1)  # fail early, with the fix, when no verify graph is wide enough
+        self.extend_at = extend_at
+        fam = target.family_for(gamma + 1)  # fail early, with the fix, when no verify graph is wide enough
+        self.max_drafts = target.widths[fam] - 1  # rows of that graph: drafting up to them costs no more
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
         assert self.draft is not None
@@ -52,6 +59,9 @@ class Chain(Policy):
             todo = [pending]  # committed text the draft has not consumed yet (ends with pending)
             while n < max_new_tokens:
                 g = min(self.gamma, max_new_tokens - n)
+                g_max = max(g, min(self.max_drafts, max_new_tokens - n))
+                if not (target.room(g_max + 1) and draft.cache.free(1) >= len(todo) + g_max):
+                    g_max = g
                 if not (target.room(g + 1) and draft.room(1) and draft.cache.free(1) >= len(todo) + g):
                     # out of context for a verify round: finish with plain target steps, like ar
                     nxt = yield from self._ar_step(pending, n, sampler)
@@ -64,22 +74,21 @@ class Chain(Policy):
                 drafts: list[int] = []
                 qs: list[np.ndarray | None] = []
                 feed = todo
-                for _ in range(g):
+                confident = True
+                while len(drafts) < g or (confident and len(drafts) < g_max):
                     for tok in feed:  # width-1 calls: todo has 1-2 tokens, a prefill graph would waste
                         logits = draft.feed([tok])
-                    if sampler.greedy:
-                        drafts.append(int(np.argmax(logits)))
-                        qs.append(None)
-                    else:
-                        q = sampler.probs(logits)
-                        drafts.append(sampler.sample(q))
-                        qs.append(q)
+                    q = sampler.probs(logits) if not sampler.greedy else None
+                    drafts.append(int(np.argmax(logits)) if q is None else sampler.sample(q))
+                    qs.append(q)
+                    confident = _prob(logits, drafts[-1], q) >= self.extend_at
                     feed = [drafts[-1]]
                 v_logits = target.forward([pending, *drafts])
                 k, nxt = accept_chain(v_logits, drafts, qs, sampler)
                 target.commit(range(k + 1))
                 self.stats.accepted.append(k)
-                # the draft consumed todo + drafts[:g-1]; keep only what the target accepted
+                # the draft consumed todo + drafts[:-1]; keep only what the target accepted
+                g = len(drafts)
                 if k < g:
                     draft.truncate(base + len(todo) + k)
                     todo = [nxt]
@@ -94,3 +103,11 @@ class Chain(Policy):
                     return
         finally:
             self._finish()
+
+
+def _prob(logits: np.ndarray, token: int, q: np.ndarray | None) -> float:
+    """The draft's probability of the token it drafted (greedy: its softmax; sampling: q)."""
+    if q is not None:
+        return float(q[token])
+    z = np.exp(logits.astype(np.float64) - logits.max())
+    return float(z[token] / z.sum())
