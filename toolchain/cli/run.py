@@ -19,8 +19,9 @@ DEFAULT_NEW_TOKENS = 128
 def run(
     artifact: Path = typer.Argument(..., help="artifact folder written by mobc compile"),
     prompt: str = typer.Option(..., "--prompt", help="text to continue"),
-    policy: str = typer.Option("ar", "--policy", help="ar or chain"),
-    draft: Path | None = typer.Option(None, "--draft", help="draft artifact folder (policy chain)"),
+    policy: str = typer.Option("ar", "--policy", help="ar, chain, lever, ahasd (these three take --draft; add "
+                               "+lookup to also draft the context's own continuation), ctg, ds2d, llada, ..."),
+    draft: Path | None = typer.Option(None, "--draft", help="draft artifact folder (chain, lever, ahasd)"),
     max_new_tokens: int | None = typer.Option(
         None, "--max-new-tokens", min=1, help=f"default: {DEFAULT_NEW_TOKENS}, or what the context has room for"
     ),

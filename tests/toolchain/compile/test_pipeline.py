@@ -309,7 +309,7 @@ def test_recipe_assets_are_copied_into_the_artifact_and_checked_before_any_work(
     shipped = tmp_path / "assets" / "pred.json"
     shipped.parent.mkdir()
     shipped.write_text('{"weights": [1, 2, 3]}')
-    extra = f"assets:\n  predictor.json: {{file: assets/pred.json, made_by: mobc train predictor X}}\n"
+    extra = "assets:\n  predictor.json: {file: assets/pred.json, made_by: mobc train predictor X}\n"
     recipe = write_recipe(tmp_path / "a.yaml", tiny_dir, name="withassets", extra=extra)
     recipe.write_text(recipe.read_text().replace("greedy_tokens: 12", "greedy_tokens: 0"))
     out = compile_recipe(recipe).out_dir
