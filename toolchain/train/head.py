@@ -148,13 +148,12 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     states, _ = teacher_states(target, windows, budget * cfg.teacher_share, cfg.batch, log)
     windows = windows[: len(states)]
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
-    s_app_held, _ = teacher_states(target, app_held, float("inf"), cfg.batch, log)
+    s_app_held = teacher_states(target, app_held, float("inf"), cfg.batch, log)[0] if len(app_held) else None
     eos = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
     vocab_ids = draft_vocabulary([windows.numpy()], cfg.draft_vocab,
                                  target.config.vocab_size, eos)
     e_all = target.get_output_embeddings().weight.detach()
     t_held = F.linear(s_held, e_all).argmax(-1)  # the target's greedy next token after each position
-    t_app_held = F.linear(s_app_held, e_all).argmax(-1)
     coverage = float(torch.isin(t_held[:, cfg.prompt_len:], vocab_ids).float().mean())
     log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.3f} of the target's held-out greedy tokens")
 
@@ -177,8 +176,13 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
                            every=20)
     head.eval()
     accept = chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)
-    accept_app = chain_acceptance(head, app_held, s_app_held, t_app_held, cfg.prompt_len, cfg.gamma)
+    accept_app = None  # no app prompt fits the window (e.g. a tokenizer that splits text finely)
+    if s_app_held is not None:
+        t_app_held = F.linear(s_app_held, e_all).argmax(-1)
+        accept_app = chain_acceptance(head, app_held, s_app_held, t_app_held, cfg.prompt_len, cfg.gamma)
     for what, a in (("stdlib continuations", accept), ("app-prompt answers", accept_app)):
+        if a is None:
+            continue
         log(f"held-out chain gamma={cfg.gamma} on the target's {what}: {a['tokens_per_call']:.2f} tokens per "
             f"target call; acceptance by depth {[round(x, 3) for x in a['accept_at_depth']]}")
     out_dir.mkdir(parents=True, exist_ok=True)

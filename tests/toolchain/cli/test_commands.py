@@ -65,7 +65,7 @@ def _bench_decode(capsys, monkeypatch, artifacts, *args: str):
 
 @pytest.mark.parametrize(
     ("spec", "needle"),
-    [("nonsense:3", "use humaneval:N or file:PATH"), ("file:{tmp}/missing.txt", "missing.txt")],
+    [("nonsense:3", "use humaneval:N, chat:N or file:PATH"), ("file:{tmp}/missing.txt", "missing.txt")],
     ids=["kind", "file"],
 )
 def test_bench_with_bad_prompts(tree_artifacts, tmp_path, capsys, monkeypatch, spec, needle):

@@ -54,3 +54,32 @@ def test_chain_and_lever_on_the_real_model_equal_ar(result):
             pol = make_policy(name, target, draft, gamma=4)
             assert [t for c in pol.generate(ids, 16, Sampler()) for t in c] == ar, (name, prompt)
             assert sum(pol.stats.accepted) >= 8, (name, pol.stats.accepted)
+
+
+def test_the_shipped_draft_head_compiles_against_torch_and_drafts_for_the_real_target(result, tmp_path):
+    """recipes/smollm2-135m-head.yaml on a fresh checkout: the shipped head's graphs are checked row by
+    row against its torch module inside the compile (48 real tokens), and with the real target it
+    drafts tokens the target accepts, greedy output equal to ar's, with and without context lookup."""
+    from pathlib import Path
+
+    from toolchain.compile.pipeline import compile_recipe
+    from toolchain.runtime.head_draft import HeadDraft
+    from toolchain.runtime.model import StepModel
+    from toolchain.runtime.policies import Sampler, make_policy
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "smollm2-135m-head.yaml"
+    head_dir = compile_recipe(recipe, out=tmp_path / "head").out_dir
+    check = json.loads((head_dir / "manifest.json").read_text())["verification"]["head"]
+    assert check["ok"] and check["rows"] == 48 and check["argmax_identical"] == 48
+    assert check["max_abs_logits"] < 1e-3
+
+    target = StepModel(result.out_dir)
+    ids = target.tokenizer("def is_palindrome(text: str) -> bool:\n    \"\"\"Return True if text reads "
+                           "the same backwards.\"\"\"\n").input_ids
+    ar = [t for c in make_policy("ar", target).generate(ids, 32, Sampler()) for t in c]
+    accepted = {}
+    for name in ("chain", "chain+lookup"):
+        pol = make_policy(name, target, HeadDraft(StepModel(head_dir), target), gamma=4)
+        assert [t for c in pol.generate(ids, 32, Sampler()) for t in c] == ar, name
+        accepted[name] = sum(pol.stats.accepted)
+    assert min(accepted.values()) >= 4, accepted  # a trained head: measured 1.5 tokens per call on HumanEval

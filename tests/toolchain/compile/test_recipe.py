@@ -97,10 +97,16 @@ def test_every_shipped_recipe_finds_its_shipped_files():
     the repository (a recipe that needs a training run first names its source with `made_by`)."""
     from pathlib import Path
 
+    from toolchain.errors import SourceError
+
     recipes = sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml"))
     shipped = 0
     for path in recipes:
-        r = load_recipe(path)
+        try:
+            r = load_recipe(path)
+        except SourceError as e:  # a model mobc trains itself (e.g. the diffusion LM): its message says how
+            assert "mobc train" in str(e)
+            continue
         files = [a.file for a in r.assets.values()] + ([r.head.weights] if r.head else [])
         for f in files:
             assert (path.parent / f).is_file(), f"{path.name} names {f}, which is not in the repository"
