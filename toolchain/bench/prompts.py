@@ -73,8 +73,8 @@ def encode(tokenizer: Any, prompt: str) -> list[int]:
     if isinstance(prompt, ChatPrompt):
         if not getattr(tokenizer, "chat_template", None):
             raise BenchError("chat prompts need a model with a chat template; use humaneval:N or file:PATH")
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": str(prompt)}],
-                                                  add_generation_prompt=True))
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": str(prompt)}], add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
     return tokenizer(prompt).input_ids
 
 

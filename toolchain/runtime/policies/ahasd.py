@@ -32,7 +32,7 @@ import numpy as np
 from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy, Pricer, RunStats
-from toolchain.runtime.policies.sampling import Sampler, accept_chain
+from toolchain.runtime.policies.sampling import Sampler, accept_chain, softmax
 from toolchain.runtime.spans import overlapped_seconds
 
 ENTROPY_EDGES = (0.5, 1.5, 3.0)  # nats: confident / fair / unsure / lost
@@ -184,8 +184,7 @@ class Ahasd(Policy):
             logits = d.feed(feed)
             st.draft_busy.append((t0, time.perf_counter()))
             if sampler.greedy:
-                z = np.exp(logits.astype(np.float64) - logits.max())
-                p = z / z.sum()
+                p = softmax(logits)
                 nxt, q = int(np.argmax(logits)), None
             else:
                 p = q = sampler.probs(logits)

@@ -23,7 +23,7 @@ import numpy as np
 from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy
-from toolchain.runtime.policies.sampling import Sampler, accept_chain
+from toolchain.runtime.policies.sampling import Sampler, accept_chain, softmax
 
 
 class Chain(Policy):
@@ -59,9 +59,6 @@ class Chain(Policy):
             todo = [pending]  # committed text the draft has not consumed yet (ends with pending)
             while n < max_new_tokens:
                 g = min(self.gamma, max_new_tokens - n)
-                g_max = max(g, min(self.max_drafts, max_new_tokens - n))
-                if not (target.room(g_max + 1) and draft.cache.free(1) >= len(todo) + g_max):
-                    g_max = g
                 if not (target.room(g + 1) and draft.room(1) and draft.cache.free(1) >= len(todo) + g):
                     # out of context for a verify round: finish with plain target steps, like ar
                     nxt = yield from self._ar_step(pending, n, sampler)
@@ -70,6 +67,9 @@ class Chain(Policy):
                     pending, n = nxt, n + 1
                     todo.append(pending)
                     continue
+                g_max = max(g, min(self.max_drafts, max_new_tokens - n))  # drafts past g need their room too
+                if not (target.room(g_max + 1) and draft.cache.free(1) >= len(todo) + g_max):
+                    g_max = g
                 base = draft.length
                 drafts: list[int] = []
                 qs: list[np.ndarray | None] = []
@@ -81,7 +81,7 @@ class Chain(Policy):
                     q = sampler.probs(logits) if not sampler.greedy else None
                     drafts.append(int(np.argmax(logits)) if q is None else sampler.sample(q))
                     qs.append(q)
-                    confident = _prob(logits, drafts[-1], q) >= self.extend_at
+                    confident = (softmax(logits) if q is None else q)[drafts[-1]] >= self.extend_at
                     feed = [drafts[-1]]
                 v_logits = target.forward([pending, *drafts])
                 k, nxt = accept_chain(v_logits, drafts, qs, sampler)
@@ -103,11 +103,3 @@ class Chain(Policy):
                     return
         finally:
             self._finish()
-
-
-def _prob(logits: np.ndarray, token: int, q: np.ndarray | None) -> float:
-    """The draft's probability of the token it drafted (greedy: its softmax; sampling: q)."""
-    if q is not None:
-        return float(q[token])
-    z = np.exp(logits.astype(np.float64) - logits.max())
-    return float(z[token] / z.sum())

@@ -28,7 +28,7 @@ from toolchain.runtime.head_draft import tree_drafter
 from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, top_candidates
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy, RunStats
-from toolchain.runtime.policies.sampling import Sampler
+from toolchain.runtime.policies.sampling import Sampler, softmax
 from toolchain.runtime.tree_exec import DraftTree, TreeVerifier
 
 if TYPE_CHECKING:
@@ -175,11 +175,7 @@ class Lever(Policy):
 
         def probs(logits: np.ndarray) -> np.ndarray:
             # greedy: the draft's own softmax is its confidence; sampling: the tempered draft q
-            if sampler.greedy:
-                z = logits.astype(np.float64) - logits.max()
-                e = np.exp(z)
-                return e / e.sum()
-            return sampler.probs(logits)
+            return softmax(logits) if sampler.greedy else sampler.probs(logits)
 
         def expand(pool, nodes: list[int]):
             rows = {}

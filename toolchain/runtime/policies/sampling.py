@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """softmax(logits) in float64: a draft's own confidence in its tokens."""
+    e = np.exp(logits.astype(np.float64) - logits.max())
+    return e / e.sum()
+
+
 @dataclass
 class Sampler:
     temperature: float = 0.0
