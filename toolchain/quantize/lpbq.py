@@ -46,7 +46,7 @@ def lpbq_scales(scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return k, per_channel
 
 
-def _activation_bits(dq_input: onnx.NodeProto | None, inits: dict[str, onnx.TensorProto]) -> int | None:
+def activation_bits(dq_input: onnx.NodeProto | None, inits: dict[str, onnx.TensorProto]) -> int | None:
     """Bits of the integer tensor a DequantizeLinear reads (from its zero point's type)."""
     if dq_input is None or dq_input.op_type != "DequantizeLinear" or len(dq_input.input) < 3:
         return None
@@ -63,7 +63,7 @@ def to_htp_forms(model: onnx.ModelProto) -> list[dict[str, Any]]:
     records = []
     new_nodes: list[tuple[onnx.NodeProto, onnx.NodeProto]] = []  # (before, node to insert)
     for mm in model.graph.node:
-        if mm.op_type != "MatMul" or _activation_bits(producer.get(mm.input[0]), inits) != 8:
+        if mm.op_type != "MatMul" or activation_bits(producer.get(mm.input[0]), inits) != 8:
             continue
         wdq = producer.get(mm.input[1])
         if wdq is None or wdq.op_type != "DequantizeLinear" or not node_attr(wdq, "block_size"):

@@ -34,6 +34,7 @@ from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 from toolchain.errors import QuantizeError
 from toolchain.quantize.exact_mask import exact_attention_masks
 from toolchain.quantize.fuse import fuse_rmsnorm
+from toolchain.quantize.htp_precise import products_to_reduce
 from toolchain.quantize.lpbq import to_htp_forms
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.source_grid import split_grid_weights, write_exact_codes
@@ -215,6 +216,17 @@ def _htp_forms(dst: Path) -> list[dict[str, Any]]:
     return records
 
 
+def htp_precise_forms(path: Path) -> dict[str, int]:
+    """The 16-bit attention products of a QDQ graph file as Mul + ReduceSum (htp_precise.py)."""
+    model = onnx.load(path)
+    counts = {"mul_reducesum": len(products_to_reduce(model))}
+    if any(counts.values()):
+        data = path.name + ".data"
+        (path.parent / data).unlink(missing_ok=True)
+        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+    return counts
+
+
 class _ListReader(CalibrationDataReader):
     def __init__(self, feeds: Iterator[dict[str, np.ndarray]]):
         self.feeds = feeds
@@ -293,5 +305,7 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     if fitted:
         _exact_codes(dst, fitted, spec.block_size)
     lpbq = _htp_forms(dst) if spec.lpbq else []
-    return {"lpbq": lpbq, "weights": schemes, "folded_transposes": folded, "fused_rmsnorms": fused, "excluded_nodes": exclude,
+    # before QAT (which then trains the products' encodings too) and before anything reads the graph
+    precise = htp_precise_forms(dst) if spec.htp_precise else {}
+    return {"lpbq": lpbq, "htp_precise": precise, "weights": schemes, "folded_transposes": folded, "fused_rmsnorms": fused, "excluded_nodes": exclude,
             "kv_tensors": sorted(kv)}

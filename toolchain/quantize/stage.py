@@ -192,6 +192,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
         "scheme": spec.tag(), "spec": spec.model_dump(mode="json"), "kv_encodings": kv_record,
         "weights_by_graph": {n: s["weights"] for n, s in schemes.items()},
         "lpbq_by_graph": {n: s["lpbq"] for n, s in schemes.items() if s.get("lpbq")},
+        "htp_precise_by_graph": {n: s["htp_precise"] for n, s in schemes.items() if s.get("htp_precise")},
         "calibration_tokens": len(tokens), "timings": timings, "qat": qat_record,
         "ranges_shared_across_graphs": shared,
         "implementation": "onnxruntime.quantization get_qnn_qdq_config + quantize_static (QDQ); "
@@ -207,7 +208,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
             "graphs": {r.name: {"weight_bytes": r.weight_bytes, "float_weight_bytes": r.float_weight_bytes,
                                 "quantization": r.quantization} for r in records},
             "kv_tied": bool(kv_record), "timings": timings, "qat": qat_record,
-            "lpbq_by_graph": record["lpbq_by_graph"]}
+            "lpbq_by_graph": record["lpbq_by_graph"], "htp_precise_by_graph": record["htp_precise_by_graph"]}
 
 
 def pipeline_quantize(folder: Path, recipe: Any, loaded: Any, timer: Any) -> dict[str, Any]:

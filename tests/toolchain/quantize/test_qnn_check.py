@@ -17,10 +17,11 @@ def test_quantized_graphs_build_and_follow_the_cpu_simulation(compiled, tmp_path
     assert set(r["graphs"]) == {"decode", "prefill"}
     for g in r["graphs"].values():
         assert g["context_bytes"] > 0 and g["argmax_agreement"] == 1.0
-    # the HTP runs the integer kernels the CPU simulates (measured: max diff 0.037); a random tiny
-    # model's top logits can sit closer than that, so one flip in 8 tokens is tolerated (not two)
+    # the HTP runs the integer kernels the CPU simulates: max logit diff 0.025 with the 16-bit MatMuls
+    # as Conv / Mul+ReduceSum (htp_precise), 0.036 with HTP's own 16-bit MatMul (measured); a random
+    # tiny model's top logits can sit closer than that, so one flip in 8 tokens is tolerated (not two)
     g = r["greedy"]
-    assert g["tokens"] == 8 and g["argmax_agreement"] >= 7 / 8 and g["logits_max_abs"] < 0.05
+    assert g["tokens"] == 8 and g["argmax_agreement"] >= 7 / 8 and g["logits_max_abs"] < 0.03
     assert any(m.startswith("lockstep token 8/8") for m in lines)
     assert json.loads((tmp_path / "qnn_check.json").read_text())["greedy"]["tokens"] == 8
 

@@ -1,0 +1,164 @@
+"""Attention products of a 16-bit QDQ graph as Mul + ReduceSum, which QNN HTP computes at 16-bit precision.
+
+Measured on the emulated HTP (onnxruntime-qnn, soc 57 / v75) against numpy's QDQ arithmetic, error
+in steps of the 16-bit output encoding (tests/toolchain/quantize/test_htp_precise.py):
+
+    product                                        HTP MatMul    HTP Mul + ReduceSum   CPU EP
+    q @ k, both uint16 ([2,3,2,64] x [2,1,64,40])  207 steps     3 steps               0 / 3 steps
+    x @ int4 blocks of 32 (constant weight)         21 steps     (left as MatMul)      0 steps*
+
+With two 16-bit activation inputs the HTP's MatMul loses about what an 8-bit input would; its Mul
+and ReduceSum do not. A MatMul with a constant quantized weight is fine on the HTP (a 1x1 Conv form
+measured the same 21 steps), so it stays.
+(*) the CPU EP is exact only with QDQ_MATMUL_EXACT (runtime/sessions.py): by default it fuses the
+int4 weights into MatMulNBits with int8 activations, 223 steps off — that, not the HTP, was most of
+the W4A16 binaries' distance from their "CPU simulation" (per-tensor localisation in issue 21's note).
+
+`products_to_reduce` is exact in real arithmetic: A [b1, b2, M, K] @ B [c1, c2, K, N] -> Mul of A
+as [b1, b2*M, K, 1] and B (broadcast; GQA's c2 = 1 lets M rows fold into the head axis) ->
+ReduceSum over K -> Reshape [b1, b2, M, N], where the products stay small (decode and tree
+attention; a 128-row prefill keeps its MatMul). The products get a 16-bit encoding over the bound
+max|A| * max|B| of the inputs' encodings; each Reshape sits between a DequantizeLinear and a
+QuantizeLinear of one encoding, so every tensor keeps a single encoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from toolchain.quantize.lpbq import activation_bits
+
+PRODUCT_BUDGET = 1 << 22  # elements of the Mul+ReduceSum intermediate (decode attention: ~3e5)
+
+
+class _Graph:
+    """The indexes a rewrite needs, and the new nodes it queues in place of old ones."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.inits = {i.name: i for i in model.graph.initializer}
+        self.producer = {o: n for n in model.graph.node for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in model.graph.node:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+        self.shapes = _static_shapes(model)
+        self.replaced: dict[int, list[onnx.NodeProto]] = {}
+
+    def constant(self, name: str, arr: np.ndarray) -> str:
+        self.model.graph.initializer.append(numpy_helper.from_array(arr, name))
+        self.inits[name] = self.model.graph.initializer[-1]
+        return name
+
+    def qdq_matmul(self, mm: onnx.NodeProto) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
+        """(the Q before input 0's DequantizeLinear, the Q after the MatMul) when mm sits in the QDQ
+        pattern onnxruntime's quantizer writes, with 16-bit input 0 and a static output shape."""
+        xdq = self.producer.get(mm.input[0])
+        outs = self.consumers.get(mm.output[0], [])
+        if (activation_bits(xdq, self.inits) or 0) < 16 or len(outs) != 1 or outs[0].op_type != "QuantizeLinear":
+            return None
+        xq = self.producer.get(xdq.input[0])
+        if xq is None or xq.op_type != "QuantizeLinear" or mm.output[0] not in self.shapes:
+            return None
+        return xq, outs[0]
+
+    def requantized(self, name: str, like: onnx.NodeProto, base: str) -> tuple[onnx.NodeProto, onnx.NodeProto]:
+        """Q/DQ of `name` with the encoding (and attributes) of QuantizeLinear `like`."""
+        enc = list(like.input[1:])
+        attrs = [a for a in like.attribute if a.name != "axis"]
+        q = helper.make_node("QuantizeLinear", [name, *enc], [f"{base}_q"], name=f"{base}_q")
+        dq = helper.make_node("DequantizeLinear", [f"{base}_q", *enc], [f"{base}_dq"], name=f"{base}_dq")
+        q.attribute.extend(attrs)
+        dq.attribute.extend(attrs)
+        return q, dq
+
+    def step(self, nodes: list[onnx.NodeProto], node: onnx.NodeProto, like: onnx.NodeProto) -> str:
+        """Appends node and a Q/DQ of its output in `like`'s encoding; returns the dequantized name."""
+        nodes.append(node)
+        q, dq = self.requantized(node.output[0], like, node.name)
+        nodes.extend([q, dq])
+        return dq.output[0]
+
+    def reshape(self, src: str, shape: list[int], out: str, base: str) -> onnx.NodeProto:
+        return helper.make_node("Reshape", [src, self.constant(f"{base}_shape", np.array(shape, np.int64))], [out],
+                                name=base)
+
+    def commit(self) -> None:
+        if not self.replaced:
+            return
+        nodes = []
+        for node in self.model.graph.node:
+            nodes.extend(self.replaced.get(id(node), [node]))
+        del self.model.graph.node[:]
+        self.model.graph.node.extend(nodes)
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Tensor name -> fully static shape, from shape inference (initializer dims suffice)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
+        if vi.type.tensor_type.HasField("shape"):
+            dims = [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
+            if dims and min(dims) > 0:
+                shapes[vi.name] = dims
+    return shapes
+
+
+def _bound(g: _Graph, q: onnx.NodeProto) -> float:
+    """Largest |value| the encoding of QuantizeLinear q represents."""
+    scale = float(numpy_helper.to_array(g.inits[q.input[1]]).reshape(-1)[0])
+    zp_t = g.inits[q.input[2]]
+    zp = float(numpy_helper.to_array(zp_t).reshape(-1)[0])
+    top = {TensorProto.UINT16: 65535, TensorProto.UINT8: 255, TensorProto.INT16: 32767, TensorProto.INT8: 127}[zp_t.data_type]
+    bottom = 0 if zp_t.data_type in (TensorProto.UINT16, TensorProto.UINT8) else -top - 1
+    return scale * max(abs(top - zp), abs(bottom - zp))
+
+
+def products_to_reduce(model: onnx.ModelProto, budget: int = PRODUCT_BUDGET) -> list[dict[str, Any]]:
+    """Every MatMul of two 16-bit activations whose [B, M, K, N] products fit `budget` elements ->
+    Mul + ReduceSum (in place)."""
+    g = _Graph(model)
+    records = []
+    for mm in list(model.graph.node):
+        if mm.op_type != "MatMul" or mm.input[1] in g.inits:
+            continue
+        pattern = g.qdq_matmul(mm)
+        bdq = g.producer.get(mm.input[1])
+        if pattern is None or (activation_bits(bdq, g.inits) or 0) < 16:
+            continue
+        bq = g.producer.get(bdq.input[0])
+        a_shape, b_shape, y_shape = (g.shapes.get(t) for t in (mm.input[0], mm.input[1], mm.output[0]))
+        if bq is None or bq.op_type != "QuantizeLinear" or a_shape is None or b_shape is None:
+            continue
+        if len(a_shape) != 4 or len(b_shape) != 4 or (a_shape[2] > 1 and b_shape[1] != 1):
+            continue  # 4D attention products with one row, or GQA rows that fold into the head axis
+        (m, k), n = a_shape[2:], b_shape[3]
+        # A [b1, b2, M, K] -> [b1, b2*M, K, 1]; B [c1, c2, K, N] broadcasts against it (c2 == 1 when M > 1)
+        a4_shape = [a_shape[0], a_shape[1] * m, k, 1]
+        products = int(np.prod([max(x, y) for x, y in zip(a4_shape[:2], b_shape[:2], strict=True)])) * k * n
+        if products > budget:
+            continue
+        xq, yq = pattern
+        base = mm.name or mm.output[0]
+        nodes: list[onnx.NodeProto] = []
+        a4 = g.step(nodes, g.reshape(mm.input[0], a4_shape, f"{base}/prod_a", base=f"{base}/prod_a"), xq)
+        mul = helper.make_node("Mul", [a4, mm.input[1]], [f"{base}/prod"], name=f"{base}/prod")
+        bound = _bound(g, xq) * _bound(g, bq)
+        scale = g.constant(f"{base}/prod_scale", np.array(2 * bound / 65535, np.float32))
+        zero = g.constant(f"{base}/prod_zero", np.array(32768, np.uint16))
+        pq = helper.make_node("QuantizeLinear", [mul.output[0], scale, zero], [f"{base}/prod_q"], name=f"{base}/prod_q")
+        pdq = helper.make_node("DequantizeLinear", [pq.output[0], scale, zero], [f"{base}/prod_dq"],
+                               name=f"{base}/prod_dq")
+        axes = g.constant(f"{base}/sum_axes", np.array([2], np.int64))
+        nodes.extend([mul, pq, pdq])
+        red = helper.make_node("ReduceSum", [pdq.output[0], axes], [f"{base}/sum"], keepdims=1, name=f"{base}/sum")
+        nodes.append(g.reshape(g.step(nodes, red, yq), y_shape, mm.output[0], base=f"{base}/sum_back"))
+        g.replaced[id(mm)] = nodes
+        records.append({"matmul": mm.name, "form": "mul+reducesum", "products": products, "product_bound": bound})
+    g.commit()
+    return records
