@@ -192,8 +192,8 @@ def session(
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     if provider == "cpu":
-        # the exact QDQ simulation (float32 MatMulNBits fusion; see runtime/sessions.py QDQ_MATMUL_EXACT)
-        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+        # the exact QDQ arithmetic, not onnxruntime's fused integer kernels (runtime/sessions.py QDQ_EXACT)
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
         return ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     devices = register()
     so.add_provider_for_devices(devices, dict(options or provider_options(57, 75, True)))

@@ -28,17 +28,19 @@ CPU_FORM_PASSES = ("matmul_nbits", "certified_lm_head", "fuse_rmsnorm", "fuse_ro
 PART_BUDGET_BYTES = float(os.environ.get("MOBC_PART_BUDGET_BYTES", 1.0e9))
 
 
-# onnxruntime fuses a QDQ graph's DequantizeLinear(int4 blocks) -> MatMul into MatMulNBits at this
-# accuracy level; its default (4) quantizes the activations to int8, so a W4A16 graph's CPU
-# simulation was off by ~220 16-bit steps per product (measured against numpy's QDQ arithmetic).
-# Level 1 computes in float32: exact. mobc's own MatMulNBits (CPU form) carry their level as an attribute.
-QDQ_MATMUL_EXACT = ("session.qdq_matmulnbits_accuracy_level", "1")
+# A QDQ graph is the NPU's integer arithmetic written as float ops on dequantized values; onnxruntime
+# fuses it into its own integer kernels, which are not that arithmetic on this CPU: int4/int8 weights
+# -> MatMulNBits with int8 activations (a W4A16 product 223 16-bit steps off), uint8 x int8 -> AVX2
+# kernels that saturate (138 8-bit steps off; measured against the unfused graph, which matches numpy
+# and, within a step, the QNN HTP). Unfused, the CPU runs the QDQ arithmetic exactly. Graphs without
+# Q/DQ nodes (float, mobc's CPU form) are unaffected.
+QDQ_EXACT = ("session.disable_quant_qdq", "1")
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.add_session_config_entry(*QDQ_MATMUL_EXACT)
+    so.add_session_config_entry(*QDQ_EXACT)
     if threads:
         so.intra_op_num_threads = threads
     return so

@@ -63,10 +63,9 @@ def quality(artifact: Path, tokenizer, n_tokens: int = 192) -> tuple[float, floa
 # w4a16 0.0099 / 0.58 (channel), 0.0058 / 0.67 (block 16); w8a8 0.0006 / 0.93. Weight scales off
 # by 2x measure KL 0.21-0.23 and agreement 0.06-0.07 in every scheme. (The random tiny model's
 # next-token distributions are flat, so KLs are small and int4 flips many near-ties.)
-# w8a8 depends on the CPU's int8 kernels: on a 2-core AMD EPYC without AVX-512/VNNI it measured
-# 0.0045 / 0.76 (the same at the commit before, so not a code change); the int8 bound sits between
-# that and the 2x-off-scale failure above.
-QUALITY_BOUND = {"int4": (0.02, 0.5), "int8": (0.01, 0.7)}
+# w8a8 measured 0.0045 / 0.76 while onnxruntime ran the QDQ graphs through its fused uint8 x int8
+# kernels (AVX2 without VNNI saturates); with the exact QDQ arithmetic (sessions.QDQ_EXACT) 0.0006 / 0.92.
+QUALITY_BOUND = {"int4": (0.02, 0.5), "int8": (0.002, 0.85)}
 
 
 @pytest.mark.parametrize("spec", [
