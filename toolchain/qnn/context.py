@@ -192,8 +192,9 @@ def session(
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     if provider == "cpu":
-        # the exact QDQ arithmetic, not onnxruntime's fused integer kernels (runtime/sessions.py QDQ_EXACT)
-        so.add_session_config_entry("session.disable_quant_qdq", "1")
+        from toolchain.runtime.sessions import QDQ_EXACT  # the QDQ arithmetic, not fused integer kernels
+
+        so.add_session_config_entry(*QDQ_EXACT)
         return ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     devices = register()
     so.add_provider_for_devices(devices, dict(options or provider_options(57, 75, True)))

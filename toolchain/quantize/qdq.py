@@ -200,9 +200,7 @@ def _exact_codes(dst: Path, fitted: dict[str, Any], block: int) -> None:
     problems = write_exact_codes(model, fitted, block)
     if problems:
         raise RuntimeError("source-grid quantization failed: " + "; ".join(problems[:5]))
-    data = dst.name + ".data"
-    (dst.parent / data).unlink(missing_ok=True)
-    onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+    _save_in_place(model, dst)
 
 
 def _htp_forms(dst: Path) -> list[dict[str, Any]]:
@@ -210,9 +208,7 @@ def _htp_forms(dst: Path) -> list[dict[str, Any]]:
     model = onnx.load(dst)
     records = to_htp_forms(model)
     if records:
-        data = dst.name + ".data"
-        (dst.parent / data).unlink(missing_ok=True)
-        onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+        _save_in_place(model, dst)
     return records
 
 
@@ -221,10 +217,15 @@ def htp_precise_forms(path: Path) -> dict[str, int]:
     model = onnx.load(path)
     counts = {"mul_reducesum": len(products_to_reduce(model))}
     if any(counts.values()):
-        data = path.name + ".data"
-        (path.parent / data).unlink(missing_ok=True)
-        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+        _save_in_place(model, path)
     return counts
+
+
+def _save_in_place(model: onnx.ModelProto, dst: Path) -> None:
+    """Overwrites graph file `dst` and its external data (written afresh beside it)."""
+    data = dst.name + ".data"
+    (dst.parent / data).unlink(missing_ok=True)
+    onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
 
 
 class _ListReader(CalibrationDataReader):
