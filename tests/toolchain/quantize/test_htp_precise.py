@@ -1,5 +1,5 @@
 """16-bit attention products as Mul + ReduceSum (QNN HTP's 16x16 MatMul is imprecise), and the CPU
-EP's QDQ simulation of int4 block weights made exact; both measured against numpy's QDQ arithmetic."""
+EP running a QDQ graph's arithmetic exactly (int4 blocks, uint8 x int8); both measured against numpy's QDQ arithmetic."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_the_cpu_simulation_of_quantized_products_is_exact(rows, bits, int8_chan
     assert np.abs(default.run(["out"], {"x": x})[0] - exact).max() > 5 * step
 
 
-def test_linears_and_8bit_products_are_left_alone():
+def test_constant_weight_linears_are_left_alone():
     model, _, _ = linear_model(1)
     assert rewritten(model, products_to_reduce)[1] == []
 
