@@ -274,7 +274,7 @@ def write_bundle(artifact: str | Path, out: str | Path | None = None, target: st
             pipeline.update(_family_stages(manifest, artifact, tmp, family, prompt, target, rope, summary, kinds))
         if manifest.quantization:
             # QDQ graphs: onnxruntime's fused integer kernels are not the QDQ arithmetic mobc checks
-            # against (runtime/sessions.py QDQ_EXACT); below EXTENDED it runs them unfused, exactly
+            # against (artifact/qdq_arithmetic.py QDQ_EXACT); below EXTENDED it runs them unfused, exactly
             for entry in pipeline.values():
                 if not entry["session_options"].get("provider_options"):
                     entry["session_options"]["graph_optimization_level"] = "ORT_ENABLE_BASIC"

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from toolchain.artifact.qdq_arithmetic import QDQ_EXACT
 from toolchain.errors import MobcError, VerificationError
 from toolchain.qnn.diagnose import captured_stderr, explain_failure
 
@@ -192,9 +193,7 @@ def session(
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     if provider == "cpu":
-        from toolchain.runtime.sessions import QDQ_EXACT  # the QDQ arithmetic, not fused integer kernels
-
-        so.add_session_config_entry(*QDQ_EXACT)
+        so.add_session_config_entry(*QDQ_EXACT)  # the QDQ arithmetic, not fused integer kernels
         return ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     devices = register()
     so.add_provider_for_devices(devices, dict(options or provider_options(57, 75, True)))

@@ -10,7 +10,7 @@ in steps of the 16-bit output encoding (tests/toolchain/quantize/test_htp_precis
 With two 16-bit activation inputs the HTP's MatMul loses about what an 8-bit input would; its Mul
 and ReduceSum do not. A MatMul with a constant quantized weight is fine on the HTP (a 1x1 Conv form
 measured the same 21 steps), so it stays.
-(*) the CPU EP is exact only with QDQ_EXACT (runtime/sessions.py): by default it fuses the int4
+(*) the CPU EP is exact only with QDQ_EXACT (artifact/qdq_arithmetic.py): by default it fuses the int4
 weights into MatMulNBits with int8 activations, 223 steps off — that, not the HTP, was most of the
 W4A16 binaries' distance from their "CPU simulation" (per-tensor localisation in issue 21's note).
 

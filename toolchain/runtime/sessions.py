@@ -19,6 +19,7 @@ import onnxruntime as ort
 from toolchain.artifact.chain import KEPT_OUTPUTS, run_chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
+from toolchain.artifact.qdq_arithmetic import QDQ_EXACT
 from toolchain.runtime.shared_weights import SharedWeights
 
 # Weight bytes a memory-bounded user of an artifact (the compile's checks, calibration) keeps in open
@@ -26,15 +27,6 @@ from toolchain.runtime.shared_weights import SharedWeights
 # passes whose graphs are the CPU form (onnxruntime contrib ops, fused by mobc itself)
 CPU_FORM_PASSES = ("matmul_nbits", "certified_lm_head", "fuse_rmsnorm", "fuse_rotary")
 PART_BUDGET_BYTES = float(os.environ.get("MOBC_PART_BUDGET_BYTES", 1.0e9))
-
-
-# A QDQ graph is the NPU's integer arithmetic written as float ops on dequantized values; onnxruntime
-# fuses it into its own integer kernels, which are not that arithmetic on this CPU: int4/int8 weights
-# -> MatMulNBits with int8 activations (a W4A16 product 223 16-bit steps off), uint8 x int8 -> AVX2
-# kernels that saturate (138 8-bit steps off; measured against the unfused graph, which matches numpy
-# and, within a step, the QNN HTP). Unfused, the CPU runs the QDQ arithmetic exactly. Graphs without
-# Q/DQ nodes (float, mobc's CPU form) are unaffected.
-QDQ_EXACT = ("session.disable_quant_qdq", "1")
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:

@@ -64,7 +64,7 @@ def quality(artifact: Path, tokenizer, n_tokens: int = 192) -> tuple[float, floa
 # by 2x measure KL 0.21-0.23 and agreement 0.06-0.07 in every scheme. (The random tiny model's
 # next-token distributions are flat, so KLs are small and int4 flips many near-ties.)
 # w8a8 measured 0.0045 / 0.76 while onnxruntime ran the QDQ graphs through its fused uint8 x int8
-# kernels (AVX2 without VNNI saturates); with the exact QDQ arithmetic (sessions.QDQ_EXACT) 0.0006 / 0.92.
+# kernels (AVX2 without VNNI saturates); with the exact QDQ arithmetic (artifact/qdq_arithmetic.py QDQ_EXACT) 0.0006 / 0.92.
 QUALITY_BOUND = {"int4": (0.02, 0.5), "int8": (0.002, 0.85)}
 
 
