@@ -34,7 +34,7 @@ from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 from toolchain.errors import QuantizeError
 from toolchain.quantize.exact_mask import exact_attention_masks
 from toolchain.quantize.fuse import fuse_rmsnorm
-from toolchain.quantize.htp_precise import products_to_reduce
+from toolchain.quantize.htp_precise import precise_products
 from toolchain.quantize.lpbq import to_htp_forms
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.source_grid import split_grid_weights, write_exact_codes
@@ -213,9 +213,12 @@ def _htp_forms(dst: Path) -> list[dict[str, Any]]:
 
 
 def htp_precise_forms(path: Path) -> dict[str, int]:
-    """The 16-bit attention products of a QDQ graph file as Mul + ReduceSum (htp_precise.py)."""
+    """The 16-bit attention products of a QDQ graph file in the forms HTP keeps precise (htp_precise.py):
+    how many of each form."""
     model = onnx.load(path)
-    counts = {"mul_reducesum": len(products_to_reduce(model))}
+    counts: dict[str, int] = {}
+    for record in precise_products(model):
+        counts[record["form"]] = counts.get(record["form"], 0) + 1
     if any(counts.values()):
         _save_in_place(model, path)
     return counts

@@ -80,8 +80,9 @@ class QuantizeSpec(_Strict):
     # int4 block weights of MatMuls with 8-bit inputs as LPBQ (per-channel scale x 4-bit block scales),
     # the form QNN HTP accepts there (lpbq.py); not exact: the change is recorded per weight
     lpbq: bool = False
-    # decode and tree attention products of two 16-bit activations as Mul + ReduceSum, which QNN HTP
-    # computes at 16-bit precision (its MatMul does not); exact in real arithmetic (htp_precise.py)
+    # attention products of two 16-bit activations as Mul + ReduceSum (decode, tree) or over an 8-bit
+    # hi/lo split of the second input (prefill), which QNN HTP computes at 16-bit precision (its
+    # 16x16 MatMul rounds the second input to 8 bits); exact in real arithmetic (htp_precise.py)
     htp_precise: bool = True
     eval_tokens: Annotated[int, Field(ge=0, le=65536)] = 1024  # held-out tokens for the compile report's ppl
 

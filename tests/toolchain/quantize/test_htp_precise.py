@@ -1,4 +1,4 @@
-"""16-bit attention products as Mul + ReduceSum (QNN HTP's 16x16 MatMul is imprecise), and the CPU
+"""16-bit attention products as Mul + ReduceSum or an 8-bit split (QNN HTP's 16x16 MatMul is imprecise), and the CPU
 EP running a QDQ graph's arithmetic exactly (int4 blocks, uint8 x int8); both measured against numpy's QDQ arithmetic."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-from toolchain.quantize.htp_precise import products_to_reduce
+from toolchain.quantize.htp_precise import precise_products
 from toolchain.runtime.sessions import session_options
 
 K, N, B = 128, 48, 32
@@ -117,13 +117,13 @@ def test_the_cpu_simulation_of_quantized_products_is_exact(rows, bits, int8_chan
 
 def test_constant_weight_linears_are_left_alone():
     model, _, _ = linear_model(1)
-    assert rewritten(model, products_to_reduce)[1] == []
+    assert rewritten(model, precise_products)[1] == []
 
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_attention_products_become_mul_reducesum_computing_the_same_function(rows):
     model, feeds, step = attention_model(rows)
-    red, records = rewritten(model, products_to_reduce)
+    red, records = rewritten(model, precise_products)
     ops = [n.op_type for n in red.graph.node]
     assert "MatMul" not in ops and "ReduceSum" in ops and records[0]["products"] == 2 * 3 * rows * 64 * 40
     # the products carry their own 16-bit encoding: K roundings of half a product step, ~sqrt(K) in practice
@@ -131,10 +131,20 @@ def test_attention_products_become_mul_reducesum_computing_the_same_function(row
     assert np.abs(cpu(red, feeds) - cpu(model, feeds)).max() <= step + np.sqrt(64) * prod_step
 
 
-def test_attention_products_over_the_budget_keep_their_matmul():
-    model, _, _ = attention_model(4)
-    _, records = rewritten(model, lambda m: products_to_reduce(m, budget=2 * 3 * 4 * 64 * 40 - 1))
-    assert records == []
+def over_budget(model: onnx.ModelProto) -> list[dict]:
+    return precise_products(model, budget=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_attention_products_over_the_budget_split_their_second_input_computing_the_same_function(rows):
+    model, feeds, step = attention_model(rows)
+    split, records = rewritten(model, over_budget)
+    assert [r["form"] for r in records] == ["split"]
+    assert [n.op_type for n in split.graph.node].count("MatMul") == 2
+    # B_hi + B_lo hold B's 16-bit values (one step lost only at +128); the low product has its own
+    # encoding: one rounding of half its step
+    low_step = 2 * records[0]["low_bound"] / 65535
+    assert np.abs(cpu(split, feeds) - cpu(model, feeds)).max() <= step + low_step
 
 
 def _htp_steps(model: onnx.ModelProto, feeds: dict[str, np.ndarray], step: float, tmp: Path) -> float:
@@ -148,11 +158,12 @@ def _htp_steps(model: onnx.ModelProto, feeds: dict[str, np.ndarray], step: float
 
 
 @pytest.mark.qnn
-def test_htp_computes_attention_products_precisely_only_as_mul_reducesum(tmp_path):
-    # measured against the CPU EP (exact here): HTP MatMul 207 steps, Mul + ReduceSum 3
-    attn, feeds, step = attention_model(2)
+def test_htp_computes_attention_products_precisely_only_in_the_rewritten_forms(tmp_path):
+    # measured against the CPU EP (exact here): HTP MatMul 207 steps, Mul + ReduceSum 3, split 8
+    attn, feeds, step = attention_model(4)
     assert _htp_steps(attn, feeds, step, tmp_path / "matmul") > 60
-    assert _htp_steps(rewritten(attn, products_to_reduce)[0], feeds, step, tmp_path / "reduce") < 10
+    assert _htp_steps(rewritten(attn, precise_products)[0], feeds, step, tmp_path / "reduce") < 10
+    assert _htp_steps(rewritten(attn, over_budget)[0], feeds, step, tmp_path / "split") < 20
     # a constant int4 block weight is fine as a MatMul (measured 21 steps): the rewrite leaves it
     model, x, step = linear_model(4)
     assert _htp_steps(model, {"x": x}, step, tmp_path / "linear") < 40
