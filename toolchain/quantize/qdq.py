@@ -160,12 +160,28 @@ def build_overrides(model: onnx.ModelProto, spec: QuantizeSpec, kv_params: dict[
         # on the tensor that really produces the K/V rows (a MatMul or RoPE Add). If the KV type
         # differs from that producer's, the producer keeps its own type and a Convert (Q/DQ pair)
         # feeds the K/V path: HTP rejects e.g. a MatMul with 16-bit input and 8-bit output.
+        # A weight product (MatMul/Gemm/Conv) writes at least its input's width: HTP rejects a 16-bit
+        # input with an 8-bit output (onnx-level), and a W4A8 value cache tied to v_proj's output that
+        # way was 25% of its range off on the HTP.
         head, first = chain[-1], producer[chain[-2]]
-        if spec.kv_type == ov.get(head, [{}])[0].get("activations", spec.activations) and head not in ov:
+        head_type = _act_type(ov, head, spec)
+        source = producer.get(head)
+        if source is not None and source.op_type in WEIGHT_OPS and _bits(_act_type(ov, source.input[0], spec)) > _bits(head_type):
+            head_type = _act_type(ov, source.input[0], spec)
+        if head_type == ACT_QTYPES[spec.kv_type] and head not in ov:
             kv[head] = [dict(enc)]
         else:
-            kv[head] = [{"convert": {**enc, "recv_nodes": {first.name}}}]
+            kv[head] = [{"quant_type": head_type, "convert": {**enc, "recv_nodes": {first.name}}}]
     return ov, kv, exclude, schemes
+
+
+def _act_type(ov: dict[str, list[dict[str, Any]]], tensor: str, spec: QuantizeSpec) -> QuantType:
+    """The activation type a tensor gets: its override's, else the recipe's."""
+    return ov.get(tensor, [{}])[0].get("quant_type", ACT_QTYPES[spec.activations])
+
+
+def _bits(qtype: QuantType) -> int:
+    return 16 if qtype in (QuantType.QUInt16, QuantType.QInt16) else 8
 
 
 PASSTHROUGH = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}

@@ -138,6 +138,22 @@ def test_kv_encodings_tied_across_inputs_outputs_and_families(artifact, tokenize
     assert set(man["quantization"]["kv_encodings"]) == {"key_0", "key_1", "value_0", "value_1"}
 
 
+def test_an_8bit_kv_cache_written_by_a_16bit_input_projection_is_converted_after_it(artifact, tokenizer):
+    """W4A8 with 16-bit norms: v_proj reads 16 bits, so it writes 16 bits and a Convert makes the 8-bit
+    cache rows (HTP rejects a 16-bit-input MatMul with an 8-bit output; tied directly, the real W4A8's
+    value cache was 25% of its range off on the HTP)."""
+    q = quantize(artifact, tokenizer, activations="int8", kv_cache="int8", overrides={"*norm*": {"activations": "int16"}})
+    assert_kv_tied(q)
+    m, arrays = load(q / "decode.onnx")
+    zero_bits = {i.name: i.data_type for i in m.graph.initializer}
+    for proj in ("v_proj", "k_proj"):
+        mm = next(n for n in m.graph.node if n.name == f"layers.0.self_attn.{proj}/MatMul")
+        xdq = next(n for n in m.graph.node if mm.input[0] in n.output)
+        out_q = consumer(m, mm.output[0])
+        assert zero_bits[xdq.input[2]] == onnx.TensorProto.UINT16
+        assert out_q.op_type == "QuantizeLinear" and zero_bits[out_q.input[2]] == onnx.TensorProto.UINT16, proj
+
+
 def test_overrides_by_pattern(artifact, tokenizer):
     q = quantize(artifact, tokenizer, activations="int8",
                  overrides={"lm_head*": {"weights": "int8"}, "*input_layernorm*": {"activations": "int16"},

@@ -56,6 +56,24 @@ def test_lpbq_gives_8bit_activation_matmuls_a_weight_form_htp_runs(artifact, tok
 
 
 @pytest.mark.qnn
+def test_w4a8_with_16bit_norms_writes_its_8bit_value_cache_through_a_convert_htp_runs(artifact, tokenizer, tmp_path):
+    """SmolLM2's W4A8 scheme (16-bit norms, 8-bit KV): v_proj tied straight to the 8-bit cache was
+    refused here (and 25% off on the real model); written at 16 bits and converted, it is within the gate."""
+    from toolchain.quantize.schema import QuantizeSpec
+    from toolchain.quantize.stage import quantize_artifact
+
+    quantize_artifact(artifact, QuantizeSpec(weights="int4", granularity="block", block_size=16, activations="int8",
+                                             kv_cache="int8", overrides={"*norm*": {"activations": "int16"}},
+                                             calibration={"samples": 2}, lpbq=True), tokenizer)
+    src = artifact / "quantized" / "decode.onnx"
+    binary = qnn.build_context_binary(src, tmp_path)
+    cmp = qnn.run_and_compare(src, binary.model, qnn.random_feeds(src))
+    # layer 0's rows depend on the token alone (random feeds put layer 1's past cache far outside the
+    # calibrated ranges): measured 1.6% of their range for values and keys
+    assert cmp.max_rel["new_value_0"] < qnn.QnnSpec().max_rel and cmp.max_rel["new_key_0"] < qnn.QnnSpec().max_rel
+
+
+@pytest.mark.qnn
 def test_a_quantized_recipes_qnn_section_builds_its_quantized_graphs(tiny_src, tmp_path):
     """A quantized recipe with a qnn: section: mobc compile builds an HTP binary of every quantized
     graph (integer kernels), gates each against the CPU QDQ simulation and runs the lockstep; the
