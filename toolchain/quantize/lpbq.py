@@ -19,10 +19,7 @@ input is dequantized from 8 bits:
   - int8 block weights whose block scales are equal along each channel (source_grid's 0/1 block
     indicator) -> per-channel int8, exactly;
   - other int8 block weights -> an error naming the MatMul (give its input 16-bit activations).
-MatMuls with 16-bit inputs keep their block weights (exact source grids), unless `all_inputs`: their
-int4 blocks become LPBQ and 0/1 indicators per-channel int8 too, since the HTP computes those products 1 step off and float block scales
-9-11 steps (x(uint16) @ int4 [576, 192] -> uint16, measured; scales already on an LPBQ grid but
-written as floats: still 9), so the HTP tracks the CPU simulation closely at a perplexity cost.
+MatMuls with 16-bit inputs keep their block weights (exact source grids).
 """
 
 from __future__ import annotations
@@ -59,16 +56,14 @@ def activation_bits(dq_input: onnx.NodeProto | None, inits: dict[str, onnx.Tenso
     return {TensorProto.UINT8: 8, TensorProto.INT8: 8, TensorProto.UINT16: 16, TensorProto.INT16: 16}.get(zp.data_type)
 
 
-def to_htp_forms(model: onnx.ModelProto, all_inputs: bool = False) -> list[dict[str, Any]]:
-    """Rewrites the block weights of 8-bit-input MatMuls (with all_inputs: int4 ones of 16-bit-input
-    MatMuls too) in place (module docstring); one record each."""
+def to_htp_forms(model: onnx.ModelProto) -> list[dict[str, Any]]:
+    """Rewrites the block weights of 8-bit-input MatMuls in place (module docstring); one record each."""
     inits = {i.name: i for i in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output}
     records = []
     new_nodes: list[tuple[onnx.NodeProto, onnx.NodeProto]] = []  # (before, node to insert)
     for mm in model.graph.node:
-        bits = activation_bits(producer.get(mm.input[0]), inits)
-        if mm.op_type != "MatMul" or bits not in ((8, 16) if all_inputs else (8,)):
+        if mm.op_type != "MatMul" or activation_bits(producer.get(mm.input[0]), inits) != 8:
             continue
         wdq = producer.get(mm.input[1])
         if wdq is None or wdq.op_type != "DequantizeLinear" or not node_attr(wdq, "block_size"):
@@ -81,8 +76,6 @@ def to_htp_forms(model: onnx.ModelProto, all_inputs: bool = False) -> list[dict[
         block = int(node_attr(wdq, "block_size"))
         if codes_t.data_type == TensorProto.INT8:
             if not np.all(scale == scale[:1]):
-                if bits == 16:
-                    continue  # the HTP runs int8 blocks after 16-bit inputs (a Q8_0 lm_head keeps its grid)
                 raise QuantizeError(
                     f"MatMul {mm.name!r}: int8 block weights next to 8-bit activations have no QNN HTP form; "
                     "give the node's input 16-bit activations (a quantize.overrides entry) or int4 weights")

@@ -219,11 +219,10 @@ def _exact_codes(dst: Path, fitted: dict[str, Any], block: int) -> None:
     _save_in_place(model, dst)
 
 
-def _htp_forms(dst: Path, all_inputs: bool) -> list[dict[str, Any]]:
-    """LPBQ / per-channel weights where HTP needs them next to 8-bit activations, and with all_inputs
-    LPBQ for every int4 block weight (lpbq.py)."""
+def _htp_forms(dst: Path) -> list[dict[str, Any]]:
+    """LPBQ / per-channel weights where HTP needs them next to 8-bit activations (lpbq.py)."""
     model = onnx.load(dst)
-    records = to_htp_forms(model, all_inputs)
+    records = to_htp_forms(model)
     if records:
         _save_in_place(model, dst)
     return records
@@ -325,7 +324,7 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     cache.unlink(missing_ok=True)
     if fitted:
         _exact_codes(dst, fitted, spec.block_size)
-    lpbq = _htp_forms(dst, all_inputs=spec.lpbq == "all") if spec.lpbq else []
+    lpbq = _htp_forms(dst) if spec.lpbq else []
     # before QAT (which then trains the products' encodings too) and before anything reads the graph
     precise = htp_precise_forms(dst) if spec.htp_precise else {}
     return {"lpbq": lpbq, "htp_precise": precise, "weights": schemes, "folded_transposes": folded, "fused_rmsnorms": fused, "excluded_nodes": exclude,

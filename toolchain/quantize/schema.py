@@ -78,10 +78,8 @@ class QuantizeSpec(_Strict):
     # sources) keep their exact codes instead of being rounded a second time (source_grid.py)
     source_grid: bool = True
     # int4 block weights of MatMuls with 8-bit inputs as LPBQ (per-channel scale x 4-bit block scales),
-    # the form QNN HTP accepts there (lpbq.py); not exact: the change is recorded per weight.
-    # "all": every int4 block weight, 16-bit inputs too, where the HTP runs LPBQ 1 step off and float
-    # block scales ~10 (measured)
-    lpbq: bool | Literal["all"] = False
+    # the form QNN HTP accepts there (lpbq.py); not exact: the change is recorded per weight
+    lpbq: bool = False
     # attention products of two 16-bit activations as Mul + ReduceSum (decode, tree) or over an 8-bit
     # hi/lo split of the second input (prefill), which QNN HTP computes at 16-bit precision (its
     # 16x16 MatMul rounds the second input to 8 bits); exact in real arithmetic (htp_precise.py)
@@ -98,7 +96,7 @@ class QuantizeSpec(_Strict):
         elif self.block_size is not None:
             raise ValueError("block_size only applies with granularity: block")
         if self.lpbq and (self.granularity != "block" or self.weights != "int4"):
-            raise ValueError("lpbq rewrites int4 block weights; use weights: int4, granularity: block")
+            raise ValueError("lpbq: true rewrites int4 block weights; use weights: int4, granularity: block")
         if self.method == "ptq" and self.qat is not None:
             raise ValueError("a `qat:` section needs method: qat")
         for pattern, ov in self.overrides.items():

@@ -75,19 +75,6 @@ def test_16bit_inputs_keep_their_exact_block_weights():
     np.testing.assert_array_equal(_weight(model), w)
 
 
-def test_all_inputs_gives_16bit_input_int4_blocks_lpbq_and_leaves_int8_blocks_on_their_grid():
-    model, w = _qdq_matmul(16, "int4")
-    (rec,) = to_htp_forms(model, all_inputs=True)
-    assert rec["form"] == "lpbq int4"
-    assert np.abs(_weight(model) - w).max() == pytest.approx(rec["max_abs_change"], rel=1e-4)
-    model, w = _qdq_matmul(16, "indicator")
-    assert to_htp_forms(model, all_inputs=True)[0]["form"] == "per-channel int8 (exact)"
-    np.testing.assert_array_equal(_weight(model), w)
-    model, w = _qdq_matmul(16, "int8")  # a Q8_0 lm_head: the HTP runs it as blocks, no refusal
-    assert to_htp_forms(model, all_inputs=True) == []
-    np.testing.assert_array_equal(_weight(model), w)
-
-
 def test_a_block_indicator_becomes_per_channel_exactly_other_int8_blocks_are_refused():
     model, w = _qdq_matmul(8, "indicator")
     (rec,) = to_htp_forms(model)
