@@ -160,9 +160,8 @@ def build_overrides(model: onnx.ModelProto, spec: QuantizeSpec, kv_params: dict[
         # on the tensor that really produces the K/V rows (a MatMul or RoPE Add). If the KV type
         # differs from that producer's, the producer keeps its own type and a Convert (Q/DQ pair)
         # feeds the K/V path: HTP rejects e.g. a MatMul with 16-bit input and 8-bit output.
-        # A weight product (MatMul/Gemm/Conv) writes at least its input's width: HTP rejects a 16-bit
-        # input with an 8-bit output (onnx-level), and a W4A8 value cache tied to v_proj's output that
-        # way was 25% of its range off on the HTP.
+        # A weight product (MatMul/Gemm/Conv) writes at least its input's width: HTP refuses a MatMul
+        # with a 16-bit input and block weights writing 8 bits (a tiny W4A8 with 16-bit norms).
         head, first = chain[-1], producer[chain[-2]]
         head_type = _act_type(ov, head, spec)
         source = producer.get(head)

@@ -140,8 +140,7 @@ def test_kv_encodings_tied_across_inputs_outputs_and_families(artifact, tokenize
 
 def test_an_8bit_kv_cache_written_by_a_16bit_input_projection_is_converted_after_it(artifact, tokenizer):
     """W4A8 with 16-bit norms: v_proj reads 16 bits, so it writes 16 bits and a Convert makes the 8-bit
-    cache rows (HTP rejects a 16-bit-input MatMul with an 8-bit output; tied directly, the real W4A8's
-    value cache was 25% of its range off on the HTP)."""
+    cache rows (HTP refuses a 16-bit-input MatMul with block weights and an 8-bit output)."""
     q = quantize(artifact, tokenizer, activations="int8", kv_cache="int8", overrides={"*norm*": {"activations": "int16"}})
     assert_kv_tied(q)
     m, arrays = load(q / "decode.onnx")
