@@ -144,8 +144,9 @@ class QdqTorch(nn.Module):
                 src = n.input[0] if n.op_type == "QuantizeLinear" else None
                 if src is not None:
                     self.producers.setdefault(key, []).append(_origin(src, producer))
-                if src is not None and (src in fixed or (producer.get(src) is not None
-                                                         and producer[src].op_type == "Concat")):
+                # the KV tie holds through a mixed-precision Convert (a 16-bit v_proj -> the 8-bit cache)
+                if src is not None and (src in fixed or _through_converts(src, producer) in fixed
+                                        or (producer.get(src) is not None and producer[src].op_type == "Concat")):
                     frozen_keys.add(key)
             self.nodes.append((n.op_type, n.name, list(n.input), list(n.output), a))
         for key in frozen_keys:
@@ -252,10 +253,17 @@ class QdqTorch(nn.Module):
 
 def _origin(tensor: str, producer: dict[str, onnx.NodeProto]) -> str:
     """The compute node behind a tensor, looking through Q/DQ pairs (mixed-precision converts)."""
+    node = producer.get(_through_converts(tensor, producer))
+    return node.name if node is not None else tensor
+
+
+def _through_converts(tensor: str, producer: dict[str, onnx.NodeProto]) -> str:
+    """The tensor a compute node wrote, looking back through Q/DQ pairs (mixed-precision converts)."""
     node = producer.get(tensor)
     while node is not None and node.op_type in QDQ_OPS:
-        node = producer.get(node.input[0])
-    return node.name if node is not None else tensor
+        tensor = node.input[0]
+        node = producer.get(tensor)
+    return tensor
 
 
 def _slice(x: torch.Tensor, starts: list[int], ends: list[int], axes: list[int] | None,
