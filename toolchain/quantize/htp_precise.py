@@ -115,20 +115,19 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     return shapes
 
 
-def _bound(g: _Graph, q: onnx.NodeProto) -> float:
-    """Largest |value| the encoding of QuantizeLinear q represents."""
-    scale = float(numpy_helper.to_array(g.inits[q.input[1]]).reshape(-1)[0])
-    zp_t = g.inits[q.input[2]]
-    zp = float(numpy_helper.to_array(zp_t).reshape(-1)[0])
-    top = {TensorProto.UINT16: 65535, TensorProto.UINT8: 255, TensorProto.INT16: 32767, TensorProto.INT8: 127}[zp_t.data_type]
-    bottom = 0 if zp_t.data_type in (TensorProto.UINT16, TensorProto.UINT8) else -top - 1
-    return scale * max(abs(top - zp), abs(bottom - zp))
-
-
-def _zero_point(g: _Graph, q: onnx.NodeProto) -> tuple[float, int]:
+def _encoding(g: _Graph, q: onnx.NodeProto) -> tuple[float, int]:
     """(scale, zero point) of a per-tensor QuantizeLinear."""
     scale = float(numpy_helper.to_array(g.inits[q.input[1]]).reshape(-1)[0])
     return scale, int(numpy_helper.to_array(g.inits[q.input[2]]).reshape(-1)[0])
+
+
+def _bound(g: _Graph, q: onnx.NodeProto) -> float:
+    """Largest |value| the encoding of QuantizeLinear q represents."""
+    scale, zp = _encoding(g, q)
+    zp_type = g.inits[q.input[2]].data_type
+    top = {TensorProto.UINT16: 65535, TensorProto.UINT8: 255, TensorProto.INT16: 32767, TensorProto.INT8: 127}[zp_type]
+    bottom = 0 if zp_type in (TensorProto.UINT16, TensorProto.UINT8) else -top - 1
+    return scale * max(abs(top - zp), abs(bottom - zp))
 
 
 def _qdq(g: _Graph, nodes: list[onnx.NodeProto], src: str, base: str, scale: float, zero: np.generic) -> str:
@@ -157,7 +156,7 @@ def _reduce_form(g: _Graph, mm: onnx.NodeProto, xq: onnx.NodeProto, yq: onnx.Nod
 def _split_form(g: _Graph, mm: onnx.NodeProto, xq: onnx.NodeProto, yq: onnx.NodeProto, bq: onnx.NodeProto,
                 k: int, base: str) -> tuple[list[onnx.NodeProto], float]:
     """A @ B_hi + A @ B_lo with both B parts on 8-bit grids that together hold B's 16-bit values."""
-    step, zero = _zero_point(g, bq)
+    step, zero = _encoding(g, bq)
     nodes: list[onnx.NodeProto] = []
     hi = _qdq(g, nodes, mm.input[1], f"{base}/b_hi", step * 257, np.uint8(np.clip(round(zero / 257), 0, 255)))
     nodes.append(helper.make_node("Sub", [mm.input[1], hi], [f"{base}/b_rest"], name=f"{base}/b_rest"))
