@@ -184,15 +184,16 @@ def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list
 
 
 def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> dict[str, Any]:
-    """HTP binaries of every quantized graph (integer kernels, no fp16 flag), each run on one call of
-    held-out text and gated against the CPU EP's QDQ simulation, then the lockstep greedy run."""
+    """HTP binaries of every quantized graph (integer kernels; the fp16 flag only for the float tensors
+    of `float_residual`), each run on one call of held-out text and gated against the CPU EP's QDQ
+    simulation, then the lockstep greedy run."""
     from toolchain.artifact.manifest import Manifest
     from toolchain.qnn import context as qnn
     from toolchain.quantize.calibrate import corpus_tokens, family_feeds
     from toolchain.quantize.ppl import QUANT_DIR
 
     qdir = folder / QUANT_DIR
-    spec = recipe.qnn.model_copy(update={"fp16": False})
+    spec = recipe.qnn.model_copy(update={"fp16": bool(recipe.quantize.float_residual)})
     sessions = ArtifactSessions(qdir, max_resident_bytes=PART_BUDGET_BYTES)
     held = corpus_tokens(loaded.tokenizer, "heldout", 2048)
     calls = {fam: next(iter(family_feeds(sessions, fam, held, 1, seed=1))) for fam in sessions.families()}

@@ -216,7 +216,7 @@ def _exact_codes(dst: Path, fitted: dict[str, Any], block: int) -> None:
     problems = write_exact_codes(model, fitted, block)
     if problems:
         raise RuntimeError("source-grid quantization failed: " + "; ".join(problems[:5]))
-    _save_in_place(model, dst)
+    save_in_place(model, dst)
 
 
 def _htp_forms(dst: Path) -> list[dict[str, Any]]:
@@ -224,7 +224,7 @@ def _htp_forms(dst: Path) -> list[dict[str, Any]]:
     model = onnx.load(dst)
     records = to_htp_forms(model)
     if records:
-        _save_in_place(model, dst)
+        save_in_place(model, dst)
     return records
 
 
@@ -234,11 +234,11 @@ def htp_precise_forms(path: Path) -> dict[str, int]:
     model = onnx.load(path)
     counts = dict(Counter(record["form"] for record in precise_products(model)))
     if counts:
-        _save_in_place(model, path)
+        save_in_place(model, path)
     return counts
 
 
-def _save_in_place(model: onnx.ModelProto, dst: Path) -> None:
+def save_in_place(model: onnx.ModelProto, dst: Path) -> None:
     """Overwrites graph file `dst` and its external data (written afresh beside it)."""
     data = dst.name + ".data"
     (dst.parent / data).unlink(missing_ok=True)

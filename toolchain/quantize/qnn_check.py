@@ -1,7 +1,7 @@
 """Quantized graphs on the QNN HTP backend: context binaries, and agreement with the CPU QDQ simulation.
 
 Uses toolchain/qnn/context.py (EP registration, context-binary build, CPU-vs-QNN compare). Quantized graphs
-run as real integer kernels (no fp16 flag). Two checks:
+run as real integer kernels (the fp16 flag only for float_residual's float tensors). Two checks:
 - per graph, one realistic call (real text, real cache contents): max |HTP - CPU| per output;
 - a greedy run: the CPU QDQ graphs pick every token; the HTP graphs are fed the same tokens
   (lockstep, each with its own cache), so per-step argmax agreement is not blurred by divergence.
@@ -18,6 +18,7 @@ from typing import Any
 from toolchain.qnn import context as qnn
 from toolchain.qnn.lockstep import ContextSessions, lockstep_greedy
 from toolchain.quantize.calibrate import corpus_tokens, family_feeds
+from toolchain.quantize.float_residual import has_float_tensors
 from toolchain.runtime.sessions import ArtifactSessions
 
 
@@ -26,7 +27,8 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
                     log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     qnn.require()
     cpu = ArtifactSessions(qdir)
-    opts = qnn.provider_options(soc_model, htp_arch, fp16=False)
+    fp16 = has_float_tensors(cpu.manifest.quantization)  # float_residual's tensors need the fp16 mode
+    opts = qnn.provider_options(soc_model, htp_arch, fp16=fp16)
     tokenizer_ids = _tokenizer(qdir)
     ctx: dict[str, Path] = {}
     graphs: dict[str, Any] = {}
@@ -36,7 +38,7 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
         for st in cpu.chain(fam):
             path = qdir / st.file
             log(f"building the HTP context binary of {st.name}")
-            b = qnn.build_context_binary(path, out, soc_model, htp_arch, fp16=False, name=st.name)
+            b = qnn.build_context_binary(path, out, soc_model, htp_arch, fp16=fp16, name=st.name)
             ctx[st.name] = b.model
             # a row keeps its token when the CPU scores the HTP's pick within the gate's tie (as `qnn:` does)
             cmp = qnn.run_and_compare(path, b.model, {k: feeds[k] for k in st.input_names if k in feeds}, opts,

@@ -84,6 +84,12 @@ class QuantizeSpec(_Strict):
     # hi/lo split of the second input (prefill), which QNN HTP computes at 16-bit precision (its
     # 16x16 MatMul rounds the second input to 8 bits); exact in real arithmetic (htp_precise.py)
     htp_precise: bool = True
+    # the residual stream (its Adds, the RMSNorms reading it) and outlier tensors in float, fp16 on the
+    # HTP: one token's massive activation otherwise coarsens every token's 16-bit residual grid
+    # (float_residual.py); outlier_ratio: a tensor whose range exceeds that many times the median of
+    # the same tensor in the other layers goes float too (0: none)
+    float_residual: bool = False
+    outlier_ratio: Annotated[float, Field(ge=0)] = 16.0
     eval_tokens: Annotated[int, Field(ge=0, le=65536)] = 1024  # held-out tokens for the compile report's ppl
 
     @model_validator(mode="after")

@@ -133,6 +133,24 @@ def run_graph_qat(sessions: ArtifactSessions, spec: QuantizeSpec, tokenizer: Any
     return record
 
 
+def float_residual_graphs(work: Path, sessions: ArtifactSessions, spec: QuantizeSpec,
+                          schemes: dict[str, Any]) -> dict[str, Any]:
+    """The residual stream and outlier tensors of every quantized graph in `work` in float
+    (float_residual.py); after QAT, whose encodings the kept Q/DQ pairs carry."""
+    import onnx
+
+    from toolchain.quantize.float_residual import float_residual
+    from toolchain.quantize.qdq import save_in_place
+
+    out = {}
+    for name in sessions.stages:
+        path = work / f"{name}.onnx"
+        model = onnx.load(path)
+        out[name] = float_residual(model, spec.outlier_ratio, set(schemes[name]["kv_tensors"]))
+        save_in_place(model, path)
+    return out
+
+
 def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any = None) -> dict[str, Any]:
     """Calibrates, quantizes, (for method: qat) learns the activation encodings, emits folder/quantized/.
     Returns the manifest record."""
@@ -174,6 +192,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
             t = time.perf_counter()
             qat_record = run_graph_qat(sessions, spec, tokenizer, tokens, work, schemes, log)
             timings["qat"] = round(time.perf_counter() - t, 2)
+        floated = float_residual_graphs(work, sessions, spec, schemes) if spec.float_residual else {}
         for name, st in sessions.stages.items():
             dst = work / f"{name}.onnx"
             graphs.add(GraphEntry(name=name, model=ir.load(dst), family=st.family, role=st.role,
@@ -193,6 +212,7 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
         "weights_by_graph": {n: s["weights"] for n, s in schemes.items()},
         "lpbq_by_graph": {n: s["lpbq"] for n, s in schemes.items() if s.get("lpbq")},
         "htp_precise_by_graph": {n: s["htp_precise"] for n, s in schemes.items() if s.get("htp_precise")},
+        "float_residual_by_graph": floated,
         "calibration_tokens": len(tokens), "timings": timings, "qat": qat_record,
         "ranges_shared_across_graphs": shared,
         "implementation": "onnxruntime.quantization get_qnn_qdq_config + quantize_static (QDQ); "
@@ -208,7 +228,8 @@ def quantize_artifact(folder: Path, spec: QuantizeSpec, tokenizer: Any, log: Any
             "graphs": {r.name: {"weight_bytes": r.weight_bytes, "float_weight_bytes": r.float_weight_bytes,
                                 "quantization": r.quantization} for r in records},
             "kv_tied": bool(kv_record), "timings": timings, "qat": qat_record,
-            "lpbq_by_graph": record["lpbq_by_graph"], "htp_precise_by_graph": record["htp_precise_by_graph"]}
+            "lpbq_by_graph": record["lpbq_by_graph"], "htp_precise_by_graph": record["htp_precise_by_graph"],
+            "float_residual_by_graph": floated}
 
 
 def pipeline_quantize(folder: Path, recipe: Any, loaded: Any, timer: Any) -> dict[str, Any]:
