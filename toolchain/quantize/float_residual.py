@@ -27,7 +27,8 @@ What `float_residual` rewrites, after quantization:
   Q->DQ too; a weight product that then reads a float input gets its weights as float constants
   (HTP refuses a standalone DequantizeLinear of int4 weights).
 K/V cache tensors and graph outputs keep their encodings: the runtime's contract is unchanged.
-A graph with float tensors needs the HTP's fp16 mode (`enable_htp_fp16_precision`) for them.
+Float tensors run in the HTP's fp16 mode (`enable_htp_fp16_precision`; onnxruntime-qnn's default, set
+explicitly for such graphs).
 """
 
 from __future__ import annotations

@@ -74,6 +74,24 @@ def test_w4a8_with_16bit_norms_writes_its_8bit_value_cache_through_a_convert_htp
 
 
 @pytest.mark.qnn
+def test_float_residual_graphs_are_checked_in_the_htp_fp16_mode_and_follow_the_cpu(artifact, tokenizer, tmp_path):
+    """W4A16 with float_residual: both graphs (float Adds and L2 norms beside the integer kernels) build
+    on the HTP and keep the CPU's argmax. (The fp16 flag `mobc eval qnn` then sets explicitly is also
+    onnxruntime-qnn's default: with it unset these graphs build alike, measured.)"""
+    from toolchain.quantize.schema import QuantizeSpec
+    from toolchain.quantize.stage import quantize_artifact
+
+    rec = quantize_artifact(artifact, QuantizeSpec(weights="int4", granularity="block", block_size=16,
+                                                   activations="int16", calibration={"samples": 2},
+                                                   float_residual=True), tokenizer)
+    assert rec["float_residual_by_graph"]["prefill"]["norms"] == 4
+    r = check_quantized(artifact / "quantized", tmp_path, greedy_tokens=4)
+    for g in r["graphs"].values():
+        assert g["argmax_agreement"] == 1.0
+    assert r["greedy"]["argmax_agreement"] >= 3 / 4
+
+
+@pytest.mark.qnn
 def test_a_quantized_recipes_qnn_section_builds_its_quantized_graphs(tiny_src, tmp_path):
     """A quantized recipe with a qnn: section: mobc compile builds an HTP binary of every quantized
     graph (integer kernels), gates each against the CPU QDQ simulation and runs the lockstep; the
