@@ -257,6 +257,11 @@ def report_section(record: dict[str, Any]) -> str:
         lines.append(f"| {name} | {g['float_weight_bytes'] / 1e6:,.1f} MB | {g['weight_bytes'] / 1e6:,.1f} MB | "
                      + ", ".join(f"{k}: {v}" for k, v in q["params"].items()) + " | "
                      + ", ".join(f"{k}: {v}" for k, v in q["activations"].items()) + " |")
+    if floated := {g: r for g, r in (record.get("float_residual_by_graph") or {}).items() if r["residual_adds"]}:
+        lines += ["", "Float residual stream (`float_residual`; fp16 on the HTP):", "",
+                  "| graph | residual Adds | norms (L2 form) | outlier tensors | float weights |", "|---|---|---|---|---|"]
+        lines += [f"| {g} | {r['residual_adds']} | {r['norms']} | {len(r['outliers'])} | {r['float_weights']} |"
+                  for g, r in floated.items()]
     if record.get("perplexity"):
         p = record["perplexity"]
         lines += ["", f"Perplexity on {p['tokens']} tokens of {p['text']} (not calibration text):", "",

@@ -122,6 +122,10 @@ def test_the_residual_stream_runs_float_and_its_norms_read_it_in_l2_form(w4a16_p
     fr = rec["float_residual_by_graph"]
     # 2 layers x 2 residual Adds; the norms reading them: layer 0's post-attention, layer 1's two, the final one
     assert {g: (r["residual_adds"], r["norms"]) for g, r in fr.items()} == {"decode": (4, 4), "prefill": (4, 4)}
+    from toolchain.quantize.stage import report_section
+
+    assert "| prefill | 4 | 4 | 0 | 0 |" in report_section({**rec, "folder": "quantized"})
+    assert "Float residual" not in report_section({**w4a16_pair[False][1], "folder": "quantized"})
     model = onnx.load(dst / "quantized" / "prefill.onnx")
     idx = _Index(model)
     adds = [n for n in model.graph.node if re.fullmatch(r"layers\.\d+/Add(_1)?", n.name)]
