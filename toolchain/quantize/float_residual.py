@@ -219,6 +219,7 @@ def float_residual(model: onnx.ModelProto, outlier_ratio: float, kv_tensors: set
         _unquantize(idx, t)
     outliers = _outliers(idx, outlier_ratio, kv_tensors) if outlier_ratio > 0 else []
     for t in outliers:
+        ranges[t] = idx.encoding_range(t)
         _unquantize(idx, t)
     floated |= set(outliers)
     idx = _Index(model)
