@@ -102,8 +102,11 @@ def node_overrides(spec: QuantizeSpec, node_name: str) -> dict[str, Any]:
 
 
 def build_overrides(model: onnx.ModelProto, spec: QuantizeSpec, kv_params: dict[str, tuple[float, int]],
-                    ranges: TensorsData | None = None) -> tuple[dict, dict, list[str], dict]:
-    """TensorQuantOverrides (general, KV cache) + excluded node names + each weight's scheme."""
+                    ranges: TensorsData | None = None, wide: frozenset[str] = frozenset(),
+                    ) -> tuple[dict, dict, list[str], dict]:
+    """TensorQuantOverrides (general, KV cache) + excluded node names + each weight's scheme.
+
+    wide: tensors written at 16 bits whatever the recipe says (the source grid's partial sums)."""
     inits = {i.name: i for i in model.graph.initializer}
     ov: dict[str, list[dict[str, Any]]] = {}
     kv: dict[str, list[dict[str, Any]]] = {}
@@ -168,6 +171,11 @@ def build_overrides(model: onnx.ModelProto, spec: QuantizeSpec, kv_params: dict[
         source = producer.get(head)
         if source is not None and source.op_type in WEIGHT_OPS:
             head_type = max(head_type, _act_type(ov, source.input[0], spec), key=_bits)
+        elif source is not None and source.op_type == "Add" and wide.issuperset(source.input):
+            # the source grid's Add of two 16-bit partial sums likewise: HTP's u16 + u16 -> u8 Add put
+            # W4A8's layer-0 value row 17 steps off where its main partial sat at the top of its range
+            # (a CPU-exact 0.2305 came out 0.2993); written at 16 bits and converted, 0 steps (measured)
+            head_type = max(head_type, QuantType.QUInt16, key=_bits)
         if head_type == ACT_QTYPES[spec.kv_type] and head not in ov:
             kv[head] = [dict(enc)]
         else:
@@ -276,8 +284,10 @@ def quantize_graph(src: Path, dst: Path, spec: QuantizeSpec, ranges: TensorsData
     folded = fold_weight_transposes(model)
     fused = fuse_rmsnorm(model)
     fitted = fitted or {}
-    ov, kv, exclude, schemes = build_overrides(model, spec, kv_params, ranges)
     outputs = {n.name: n.output[0] for n in model.graph.node}
+    # the split's partial sums (main, blocksum, offset) are written at 16 bits (below)
+    wide = frozenset(outputs[n] for gw in fitted.values() if gw.offset for n in gw.nodes if n in outputs)
+    ov, kv, exclude, schemes = build_overrides(model, spec, kv_params, ranges, wide)
     for name, gw in fitted.items():
         schemes[name]["source_grid"] = "exact" + (" + block offset" if gw.offset else "")
         if gw.offset:

@@ -154,3 +154,33 @@ def test_source_grid_graphs_run_correctly_on_htp(gridded, tmp_path):
     # near-tied logits of a random tiny model may flip one argmax within the diff
     assert r["greedy"]["argmax_agreement"] >= 0.75 and r["greedy"]["logits_max_abs"] < 0.1
     assert all(g["logits_max_abs"] < 0.1 for g in r["graphs"].values())
+
+
+def test_an_8bit_cache_row_summed_from_16bit_partials_is_written_at_16_bits_and_converted(gridded, tmp_path):
+    """W4A8 (8-bit KV): v_proj ends in the source grid's Add of two 16-bit partial sums. That Add writes
+    16 bits and a Convert makes the 8-bit cache row: HTP's u16 + u16 -> u8 Add put SmolLM2's layer-0 value
+    row 17 steps off (measured). Without the rule this Add writes the cache's 8-bit encoding directly."""
+    import shutil
+
+    import onnx
+
+    art = tmp_path / "a"
+    shutil.copytree(gridded, art)
+    quantize_artifact(art, QuantizeSpec(weights="int4", granularity="block", block_size=BLOCK, activations="int8",
+                                        kv_cache="int8", calibration={"samples": 2}), tiny_tokenizer())
+    m = onnx.load(art / "quantized" / "decode.onnx", load_external_data=False)
+    zero_type = {i.name: i.data_type for i in m.graph.initializer}
+    readers = {}
+    for n in m.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def written_type(node_name: str) -> int:
+        out = next(n for n in m.graph.node if n.name == node_name).output[0]
+        q = next(r for r in readers[out] if r.op_type == "QuantizeLinear")
+        return zero_type[q.input[2]]
+
+    assert written_type("layers.0.self_attn.v_proj/grid_add") == onnx.TensorProto.UINT16
+    # the cache row itself keeps the tied 8-bit encoding
+    cache_q = next(n for n in m.graph.node if n.op_type == "QuantizeLinear" and n.output[0].startswith("new_value_0"))
+    assert zero_type[cache_q.input[2]] == onnx.TensorProto.UINT8
