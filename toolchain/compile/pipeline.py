@@ -193,9 +193,9 @@ def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> di
     from toolchain.quantize.ppl import QUANT_DIR
 
     qdir = folder / QUANT_DIR
-    # float_residual's float tensors run in the fp16 mode; set as an option, not `fp16`, so a gate failure
-    # is explained as the integer-kernel gap it is, not as an fp16 overflow
-    fp16_tensors = {"enable_htp_fp16_precision": "1"} if recipe.quantize.float_residual else {}
+    from toolchain.quantize.float_residual import FP16_TENSORS
+
+    fp16_tensors = FP16_TENSORS if recipe.quantize.float_residual else {}
     spec = recipe.qnn.model_copy(update={"fp16": False, "options": {**recipe.qnn.options, **fp16_tensors}})
     sessions = ArtifactSessions(qdir, max_resident_bytes=PART_BUDGET_BYTES)
     held = corpus_tokens(loaded.tokenizer, "heldout", 2048)

@@ -42,6 +42,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 NORM_OPS = {"SimplifiedLayerNormalization"}
+# the HTP provider option that runs a quantized graph's float tensors in fp16 (onnxruntime-qnn's default,
+# set explicitly for such graphs); an option, not the `fp16` flag, which marks float graphs (gate hints)
+FP16_TENSORS = {"enable_htp_fp16_precision": "1"}
 PRESCALE_MAX = 64.0  # |x*c| <= 64: squares <= 4096, a 576..4096-wide sum of them stays in fp16
 LAYER_INDEX = re.compile(r"\d+")
 

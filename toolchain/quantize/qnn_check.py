@@ -18,7 +18,7 @@ from typing import Any
 from toolchain.qnn import context as qnn
 from toolchain.qnn.lockstep import ContextSessions, lockstep_greedy
 from toolchain.quantize.calibrate import corpus_tokens, family_feeds
-from toolchain.quantize.float_residual import has_float_tensors
+from toolchain.quantize.float_residual import FP16_TENSORS, has_float_tensors
 from toolchain.runtime.sessions import ArtifactSessions
 
 
@@ -27,8 +27,8 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
                     log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     qnn.require()
     cpu = ArtifactSessions(qdir)
-    fp16 = has_float_tensors(cpu.manifest.quantization)  # float_residual's tensors need the fp16 mode
-    opts = qnn.provider_options(soc_model, htp_arch, fp16=fp16)
+    extra = FP16_TENSORS if has_float_tensors(cpu.manifest.quantization) else {}
+    opts = qnn.provider_options(soc_model, htp_arch, False, extra)
     tokenizer_ids = _tokenizer(qdir)
     ctx: dict[str, Path] = {}
     graphs: dict[str, Any] = {}
@@ -38,7 +38,7 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
         for st in cpu.chain(fam):
             path = qdir / st.file
             log(f"building the HTP context binary of {st.name}")
-            b = qnn.build_context_binary(path, out, soc_model, htp_arch, fp16=fp16, name=st.name)
+            b = qnn.build_context_binary(path, out, soc_model, htp_arch, False, extra, name=st.name)
             ctx[st.name] = b.model
             # a row keeps its token when the CPU scores the HTP's pick within the gate's tie (as `qnn:` does)
             cmp = qnn.run_and_compare(path, b.model, {k: feeds[k] for k in st.input_names if k in feeds}, opts,
