@@ -51,11 +51,13 @@ def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int]
         for s in range(0, len(ids), width):
             logits = run_tokens(sess, pre, cache, ids[s : s + width], width)
         last.append(logits[-1])
-    agree, diffs, tokens = [], [], []
+    agree, diffs, tokens, flips = [], [], [], []
     t0 = time.perf_counter()
     for i in range(n):
         a, b = last
         agree.append(int(np.argmax(a) == np.argmax(b)))
+        if not agree[-1]:  # how near a tie the CPU scored the HTP's pick: a flip at 0.01 is not one at 5
+            flips.append({"step": i, "cpu_gap": float(a.max() - a[np.argmax(b)])})
         diffs.append(float(np.abs(a - b).max()))
         tok = int(np.argmax(a))  # the CPU simulation decides; the HTP follows
         tokens.append(tok)
@@ -66,7 +68,7 @@ def lockstep_greedy(cpu: ArtifactSessions, htp: ArtifactSessions, ids: list[int]
             break
         last = [run_tokens(s, fam, c, [tok], layout.width)[-1] for s, c in zip((cpu, htp), caches, strict=True)]
     return {"tokens": len(agree), "argmax_agreement": float(np.mean(agree)), "logits_max_abs": max(diffs),
-            "logits_median_abs": float(np.median(diffs)), "cpu_tokens": tokens}
+            "logits_median_abs": float(np.median(diffs)), "cpu_tokens": tokens, "flips": flips}
 
 
 def lockstep_gate(folder: Path, records: list[dict[str, Any]], spec: qnn.QnnSpec, ids: list[int],
