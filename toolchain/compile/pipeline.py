@@ -190,11 +190,10 @@ def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> di
     from toolchain.artifact.manifest import Manifest
     from toolchain.qnn import context as qnn
     from toolchain.quantize.calibrate import corpus_tokens, family_feeds
+    from toolchain.quantize.float_residual import FP16_TENSORS
     from toolchain.quantize.ppl import QUANT_DIR
 
     qdir = folder / QUANT_DIR
-    from toolchain.quantize.float_residual import FP16_TENSORS
-
     fp16_tensors = FP16_TENSORS if recipe.quantize.float_residual else {}
     spec = recipe.qnn.model_copy(update={"fp16": False, "options": {**recipe.qnn.options, **fp16_tensors}})
     sessions = ArtifactSessions(qdir, max_resident_bytes=PART_BUDGET_BYTES)

@@ -41,12 +41,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from toolchain.quantize.htp_precise import encoding_range
+
 NORM_OPS = {"SimplifiedLayerNormalization"}
 # the HTP provider option that runs a quantized graph's float tensors in fp16 (onnxruntime-qnn's default,
 # set explicitly for such graphs); an option, not the `fp16` flag, which marks float graphs (gate hints)
 FP16_TENSORS = {"enable_htp_fp16_precision": "1"}
 PRESCALE_MAX = 64.0  # |x*c| <= 64: squares <= 4096, a 576..4096-wide sum of them stays in fp16
 LAYER_INDEX = re.compile(r"\d+")
+UINT8_ZERO = numpy_helper.from_array(np.zeros((), np.uint8))  # a QuantizeLinear without a zero point
 
 
 class _Index:
@@ -86,25 +89,19 @@ class _Index:
         for q in self.consumers.get(tensor, []):
             if q.op_type == "QuantizeLinear" and q.input[1] in self.inits:
                 scale = float(numpy_helper.to_array(self.inits[q.input[1]]).reshape(-1)[0])
-                zp_init = self.inits.get(q.input[2]) if len(q.input) > 2 else None
-                zp = numpy_helper.to_array(zp_init) if zp_init is not None else np.zeros((), np.uint8)
-                qmax = float(np.iinfo(zp.dtype).max)
-                z = float(zp.reshape(-1)[0])
-                return (0 - z) * scale, (qmax - z) * scale
+                zp = self.inits.get(q.input[2]) if len(q.input) > 2 else None
+                return encoding_range(scale, zp if zp is not None else UINT8_ZERO)
         return None
 
 
-def _unquantize(idx: _Index, tensor: str) -> int:
+def _unquantize(idx: _Index, tensor: str) -> None:
     """Drops the Q->DQ pairs after `tensor`: every non-graph-output reader reads it directly."""
-    rewired = 0
     for q in [c for c in idx.consumers.get(tensor, []) if c.op_type == "QuantizeLinear"]:
         for dq in [c for c in idx.consumers.get(q.output[0], []) if c.op_type == "DequantizeLinear"]:
             for reader in idx.consumers.get(dq.output[0], []):
                 for k, name in enumerate(reader.input):
                     if name == dq.output[0]:
                         reader.input[k] = tensor
-                        rewired += 1
-    return rewired
 
 
 def _residual_adds(idx: _Index) -> list[onnx.NodeProto]:

@@ -121,13 +121,19 @@ def _encoding(g: _Graph, q: onnx.NodeProto) -> tuple[float, int]:
     return scale, int(numpy_helper.to_array(g.inits[q.input[2]]).reshape(-1)[0])
 
 
+def encoding_range(scale: float, zero_point: onnx.TensorProto) -> tuple[float, float]:
+    """The real range [lo, hi] a per-tensor (scale, zero point) encoding represents."""
+    zp = int(numpy_helper.to_array(zero_point).reshape(-1)[0])
+    top = {TensorProto.UINT16: 65535, TensorProto.UINT8: 255, TensorProto.INT16: 32767,
+           TensorProto.INT8: 127}[zero_point.data_type]
+    bottom = 0 if zero_point.data_type in (TensorProto.UINT16, TensorProto.UINT8) else -top - 1
+    return scale * (bottom - zp), scale * (top - zp)
+
+
 def _bound(g: _Graph, q: onnx.NodeProto) -> float:
     """Largest |value| the encoding of QuantizeLinear q represents."""
-    scale, zp = _encoding(g, q)
-    zp_type = g.inits[q.input[2]].data_type
-    top = {TensorProto.UINT16: 65535, TensorProto.UINT8: 255, TensorProto.INT16: 32767, TensorProto.INT8: 127}[zp_type]
-    bottom = 0 if zp_type in (TensorProto.UINT16, TensorProto.UINT8) else -top - 1
-    return scale * max(abs(top - zp), abs(bottom - zp))
+    lo, hi = encoding_range(_encoding(g, q)[0], g.inits[q.input[2]])
+    return max(abs(lo), abs(hi))
 
 
 def _qdq(g: _Graph, nodes: list[onnx.NodeProto], src: str, base: str, scale: float, zero: np.generic) -> str:
