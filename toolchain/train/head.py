@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from toolchain.bench.prompts import ChatPrompt, encode
 from toolchain.train import corpus, onpolicy
 from toolchain.train.draft import DraftTrainError, target_continuations, teacher_states, token_windows
 from toolchain.train.head_model import DraftHead, save_head
@@ -51,6 +52,9 @@ class HeadConfig:
     generated_windows: int = 16  # target continuations of stdlib windows
     app_share: float = 0.2  # of the budget: the target's answers to HumanEval / chat prompts (onpolicy.py)
     app_chat_prompts: int = 160
+    self_chat: int = 192  # general-topic requests the target writes itself (Magpie), answered on-policy
+    self_chat_share: float = 0.08  # of the budget: writing those requests
+    answer_batch: int = 32  # rows per batched greedy generation of answers
     teacher_share: float = 0.12  # of the budget: the teacher pass (~100k tokens; the training sees each ~10x)
     held_out_windows: int = 4
     prompt_len: int = 64
@@ -137,18 +141,25 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     gen = target_continuations(target, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed,
                                seconds=budget * 0.25)
     gen_held = target_continuations(target, held, cfg.held_out_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed + 1)
-    prompts = onpolicy.app_prompts(tok, cfg.app_chat_prompts, cfg.seed)
+    requests = onpolicy.self_chat_requests(target, tok, cfg.self_chat + cfg.held_out_windows, cfg.seed,
+                                           seconds=budget * cfg.self_chat_share)
+    prompts = onpolicy.app_prompts(tok, cfg.app_chat_prompts, cfg.seed, requests[cfg.held_out_windows:])
+    pad = tok.eos_token_id or 0
     app = onpolicy.prompt_continuations(target, prompts[cfg.held_out_windows:], cfg.seq_len, cfg.prompt_len,
-                                        16, budget * cfg.app_share, pad_id=tok.eos_token_id or 0)
-    app_held = onpolicy.prompt_continuations(target, prompts[: cfg.held_out_windows], cfg.seq_len, cfg.prompt_len,
-                                             16, 0.0, pad_id=tok.eos_token_id or 0)
-    log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows, "
-        f"{len(gen_held)} + {len(app_held)} held-out ({time.perf_counter() - t0:.0f} s)")
+                                        cfg.answer_batch, budget * cfg.app_share, pad_id=pad)
+    held_prompts = {"app": prompts[: cfg.held_out_windows],
+                    "chat": [encode(tok, ChatPrompt(r)) for r in requests[: cfg.held_out_windows]]}
+    held_sets = {k: onpolicy.prompt_continuations(target, v, cfg.seq_len, cfg.prompt_len, cfg.answer_batch, 0.0,
+                                                  pad_id=pad) for k, v in held_prompts.items() if v}
+    log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows "
+        f"({len(requests)} self-written chat requests), {len(gen_held)} + "
+        f"{sum(len(v) for v in held_sets.values())} held-out ({time.perf_counter() - t0:.0f} s)")
     windows = torch.cat([app, gen, w_train])
     states, _ = teacher_states(target, windows, budget * cfg.teacher_share, cfg.batch, log)
     windows = windows[: len(states)]
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
-    s_app_held = teacher_states(target, app_held, float("inf"), cfg.batch, log)[0] if len(app_held) else None
+    held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]
+                   for k, v in held_sets.items() if len(v)}
     eos = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
     vocab_ids = draft_vocabulary([windows.numpy()], cfg.draft_vocab,
                                  target.config.vocab_size, eos)
@@ -176,13 +187,13 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
                            every=20)
     head.eval()
     accept = chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)
-    accept_app = None  # no app prompt fits the window (e.g. a tokenizer that splits text finely)
-    if s_app_held is not None:
-        t_app_held = F.linear(s_app_held, e_all).argmax(-1)
-        accept_app = chain_acceptance(head, app_held, s_app_held, t_app_held, cfg.prompt_len, cfg.gamma)
-    for what, a in (("stdlib continuations", accept), ("app-prompt answers", accept_app)):
-        if a is None:
-            continue
+    accepts = {"stdlib continuations": accept}
+    for key, what in (("app", "app-prompt answers"), ("chat", "answers to self-written chat requests")):
+        if key in held_states:  # absent when no prompt fits the window (a tokenizer that splits text finely)
+            st = held_states[key]
+            accepts[what] = chain_acceptance(head, held_sets[key], st, F.linear(st, e_all).argmax(-1),
+                                             cfg.prompt_len, cfg.gamma)
+    for what, a in accepts.items():
         log(f"held-out chain gamma={cfg.gamma} on the target's {what}: {a['tokens_per_call']:.2f} tokens per "
             f"target call; acceptance by depth {[round(x, 3) for x in a['accept_at_depth']]}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -191,6 +202,8 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
               "vocab_coverage_held_out": coverage, "train_windows": len(windows), "generated_windows": len(gen),
               "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),
-              "held_out": accept, "held_out_app": accept_app, "app_windows": len(app), "seconds": round(time.perf_counter() - t0, 1)}
+              "held_out": accept, "held_out_app": accepts.get("app-prompt answers"),
+              "held_out_chat": accepts.get("answers to self-written chat requests"), "app_windows": len(app),
+              "self_chat_requests": len(requests), "seconds": round(time.perf_counter() - t0, 1)}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
     return report

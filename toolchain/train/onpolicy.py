@@ -8,9 +8,13 @@ file. So besides stdlib windows, the head trains on the target's own answers to:
   to that, stay unseen), as plain-text prompts;
 - chat requests built from train-split stdlib source (explain a function, document it, summarize
   its docstring), wrapped in the target's chat template (the benches' `chat:N` prompts are
-  general-topic requests written for mobc and are never trained on).
+  general-topic requests written for mobc and are never trained on);
+- general-topic chat requests the target writes itself (`self_chat_requests`, Magpie: an aligned
+  chat model given its template up to the user's turn writes a plausible user request). Code-derived
+  requests alone taught the head code-flavoured answers; the target's own requests cover the topics
+  a chat app is asked about (travel, planning, advice, writing) in the target's own words.
 
-Everything is real text from installed packages; nothing downloads.
+Everything is real text from installed packages or the target itself; nothing downloads.
 """
 
 from __future__ import annotations
@@ -53,35 +57,91 @@ def _functions(n: int, seed: int, max_chars: int = 1200) -> list[tuple[str, str]
     return out
 
 
-def app_prompts(tokenizer: Any, n_chat: int, seed: int = 0) -> list[list[int]]:
-    """Token ids of HumanEval prompts (plain) and stdlib chat requests (chat template), interleaved."""
+def app_prompts(tokenizer: Any, n_chat: int, seed: int = 0, requests: list[str] = ()) -> list[list[int]]:
+    """Token ids of HumanEval prompts (plain), stdlib chat requests and `requests` (both through the chat
+    template), interleaved."""
     code = [encode(tokenizer, p) for p in load_prompts("humaneval")[BENCH_HUMANEVAL:]]
     chats: list[list[int]] = []
+    own: list[list[int]] = []
     if getattr(tokenizer, "chat_template", None):
         chats = [encode(tokenizer, ChatPrompt(CHAT_TASKS[i % len(CHAT_TASKS)].format(src=src, doc=doc)))
                  for i, (src, doc) in enumerate(_functions(n_chat, seed))]
+        own = [encode(tokenizer, ChatPrompt(r)) for r in requests]
     random.Random(seed).shuffle(code)
-    mixed = [p for pair in zip(code, chats, strict=False) for p in pair]
-    longer = code if len(code) > len(chats) else chats
-    return mixed + longer[min(len(code), len(chats)):]
+    return interleave(code, chats, own)
+
+
+def interleave(*lists: list) -> list:
+    """One item of each list in turn; a list that runs out drops out."""
+    out, its = [], [iter(x) for x in lists]
+    while its:
+        alive = []
+        for it in its:
+            item = next(it, None)
+            if item is not None:
+                out.append(item)
+                alive.append(it)
+        its = alive
+    return out
+
+
+def _user_turn_prefix(tokenizer: Any) -> str | None:
+    """The chat template's text up to where the user's message begins (system turn included)."""
+    mark = "\u2063mobc-request\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                         add_generation_prompt=True)
+    return text.split(mark)[0] if isinstance(text, str) and mark in text else None
+
+
+@torch.no_grad()
+def self_chat_requests(teacher: Any, tokenizer: Any, n: int, seed: int, batch: int = 32, max_tokens: int = 64,
+                       seconds: float = float("inf")) -> list[str]:
+    """Up to `n` distinct user requests the target writes itself (Magpie).
+
+    The target continues its chat template's user-turn prefix, sampled (temperature 1, top-p 0.95,
+    seeded); a request is kept when it ends its turn (end-of-text) within `max_tokens` and has a few
+    words. Sampling, not greedy: the requests must differ from each other."""
+    prefix = _user_turn_prefix(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if prefix is None or eos is None or n <= 0:
+        return []
+    ids = torch.tensor([tokenizer(prefix, add_special_tokens=False).input_ids])
+    t0, out, seen = time.perf_counter(), [], set()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 23)
+        for _ in range(4 * (n // batch + 1)):  # bounded: a target that rarely ends its turn gives fewer
+            x = ids.expand(batch, -1)
+            seq = teacher.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=True,
+                                   temperature=1.0, top_p=0.95, top_k=0, pad_token_id=eos, eos_token_id=eos)
+            for row in seq[:, ids.shape[1]:].tolist():
+                if eos not in row:
+                    continue  # ran out of tokens mid-request
+                text = tokenizer.decode(row[: row.index(eos)], skip_special_tokens=True).strip()
+                if len(text.split()) >= 4 and text not in seen:
+                    seen.add(text)
+                    out.append(text)
+            if len(out) >= n or time.perf_counter() - t0 > seconds:
+                break
+    return out[:n]
 
 
 @torch.no_grad()
 def prompt_continuations(teacher: Any, prompts: list[list[int]], seq_len: int, keep_prompt: int, batch: int,
-                         seconds: float, pad_id: int = 0, max_prompt: int = 256) -> torch.Tensor:
-    """[n, seq_len] windows: each prompt's last `keep_prompt` tokens and the target's greedy answer.
+                         seconds: float, pad_id: int = 0, max_prompt: int = 256, min_prompt: int = 8) -> torch.Tensor:
+    """[n, seq_len] windows: each prompt's last `keep_prompt` tokens (all of a shorter prompt) and the
+    target's greedy answer filling the rest of the window.
 
-    Prompts shorter than `keep_prompt` (a window holds no padding) or longer than `max_prompt` (their
-    prefill would eat the budget) are skipped; each run of 4 batches is sorted by length so a batch,
-    left-padded to its longest prompt (attention mask 0 on the pads), wastes little; generation
-    stops at the time budget."""
-    prompts = [p for p in prompts if keep_prompt <= len(p) <= max_prompt]
+    Prompts shorter than `min_prompt` or longer than `max_prompt` (their prefill would eat the budget)
+    are skipped; each run of 4 batches is sorted by length so a batch, left-padded to its longest
+    prompt (attention mask 0 on the pads), wastes little; generation stops at the time budget."""
+    prompts = [p for p in prompts if min_prompt <= len(p) <= max_prompt]
     prompts = [p for i in range(0, len(prompts), 4 * batch) for p in sorted(prompts[i : i + 4 * batch], key=len)]
-    new = seq_len - keep_prompt
     t0, out = time.perf_counter(), []
     for i in range(0, len(prompts), batch):
         group = prompts[i : i + batch]
         width = max(len(p) for p in group)
+        kept = [min(keep_prompt, len(p)) for p in group]
+        new = seq_len - min(kept)  # the shortest kept prompt's answer fills the most of its window
         ids = torch.full((len(group), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, p in enumerate(group):
@@ -89,7 +149,7 @@ def prompt_continuations(teacher: Any, prompts: list[list[int]], seq_len: int, k
             mask[r, width - len(p):] = 1
         seq = teacher.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                do_sample=False, pad_token_id=pad_id)
-        out.append(seq[:, width - keep_prompt : width + new])
+        out.extend(seq[r, width - k : width - k + seq_len] for r, k in enumerate(kept))
         if time.perf_counter() - t0 > seconds:
             break
-    return torch.cat(out) if out else torch.zeros(0, seq_len, dtype=torch.long)
+    return torch.stack(out) if out else torch.zeros(0, seq_len, dtype=torch.long)

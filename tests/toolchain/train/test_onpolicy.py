@@ -1,0 +1,69 @@
+"""On-policy prompts for draft training: self-written chat requests and the target's answers as windows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.tiny import tiny_model, tiny_tokenizer
+from toolchain.train.onpolicy import interleave, prompt_continuations, self_chat_requests
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def _chat_tokenizer():
+    tok = tiny_tokenizer()
+    tok = type(tok)(tokenizer_object=tok._tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def _eos_prone(tok, p_end: float = 0.1):
+    """The tiny llama reading out through a zero lm_head with a bias: a uniform next token, except
+    end-of-text at probability `p_end`, so a sampled request ends within a few dozen tokens."""
+    model = tiny_model("llama", 0).eval()
+    v, c = model.config.vocab_size, model.config.hidden_size
+    model.config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(c, v, bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.bias.zero_()
+        model.lm_head.bias[tok.eos_token_id] = math.log(p_end * (v - 1) / (1 - p_end))
+    return model
+
+
+def test_self_written_requests_end_their_turn_are_distinct_and_reproducible():
+    tok = _chat_tokenizer()
+    model = _eos_prone(tok)
+    reqs = self_chat_requests(model, tok, 12, seed=0, batch=16, max_tokens=48)
+    assert 0 < len(reqs) <= 12
+    assert len(set(reqs)) == len(reqs) and all(len(r.split()) >= 4 for r in reqs)
+    assert all("</s>" not in r and "<s>" not in r for r in reqs)  # the turn's end is cut off
+    assert self_chat_requests(model, tok, 12, seed=0, batch=16, max_tokens=48) == reqs  # seeded
+    assert self_chat_requests(model, tok, 12, seed=1, batch=16, max_tokens=48) != reqs
+
+
+def test_a_tokenizer_without_a_chat_template_writes_no_requests():
+    assert self_chat_requests(tiny_model("llama", 0), tiny_tokenizer(), 4, seed=0) == []
+
+
+def test_answers_fill_the_window_after_the_whole_of_a_short_prompt():
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", 0).eval()
+    prompts = [list(range(10, 20)), list(range(30, 60)), list(range(5, 8))]  # 10, 30 and 3 tokens
+    win = prompt_continuations(model, prompts, seq_len=24, keep_prompt=16, batch=4, seconds=1e9,
+                               pad_id=tok.pad_token_id, min_prompt=8)
+    assert win.shape == (2, 24)  # the 3-token prompt is skipped
+    rows = {tuple(w[:10].tolist()) for w in win} | {tuple(w[:16].tolist()) for w in win}
+    assert tuple(range(10, 20)) in rows  # a short prompt is kept whole
+    assert tuple(range(44, 60)) in rows  # a long one keeps its last keep_prompt tokens
+    short = next(w for w in win if w[0] == 10)  # kept whole: the same context as in the batch
+    ref = model.generate(short[None, :10], attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=14,
+                         min_new_tokens=14, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert short.tolist() == ref[0].tolist()  # the target's own greedy answer, unpadded
+
+
+def test_interleave_takes_one_of_each_until_each_runs_out():
+    assert interleave([1, 2, 3], ["a"], [10, 20]) == [1, "a", 10, 2, 20, 3]
