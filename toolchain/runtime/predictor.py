@@ -37,6 +37,26 @@ class PredictorSpec:
     threshold: float
     metrics: dict = field(default_factory=dict)
     features: list[str] = field(default_factory=lambda: list(FEATURES))
+    # the draft it was fitted with: {"name", "weights_sha256"} (its features are that draft's confidences)
+    draft: dict = field(default_factory=dict)
+
+
+def draft_fingerprint(draft) -> dict[str, str]:
+    """Name and weights hash of a draft (a StepModel, or a head / lookup adapter around one)."""
+    model = getattr(draft, "step_model", draft)
+    return {"name": model.name, "weights_sha256": model.manifest.weights.get("sha256", "")}
+
+
+def check_draft(spec: PredictorSpec, draft, path: str | Path) -> None:
+    """Refuse a predictor fitted with another draft: its thresholds are calibrated on that draft's
+    confidences, and would prune the wrong branches silently."""
+    want = spec.draft.get("weights_sha256")
+    have = draft_fingerprint(draft)
+    if want and have["weights_sha256"] and want != have["weights_sha256"]:
+        raise MobcError(
+            f"predictor {path} was fitted with draft {spec.draft.get('name')!r} (weights sha256 {want[:12]}); "
+            f"draft {have['name']!r} has weights {have['weights_sha256'][:12]}. Fit one for this draft: "
+            f"`mobc train predictor <target artifact> --draft <this draft's folder> --out {path}`")
 
 
 def save_predictor(spec: PredictorSpec, path: str | Path) -> Path:

@@ -21,7 +21,15 @@ import numpy as np
 from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.sampling import Sampler
-from toolchain.runtime.predictor import FEATURES, HeadReader, PredictorSpec, backbone, features, score
+from toolchain.runtime.predictor import (
+    FEATURES,
+    HeadReader,
+    PredictorSpec,
+    backbone,
+    draft_fingerprint,
+    features,
+    score,
+)
 from toolchain.runtime.tree import Tree, accept
 from toolchain.runtime.tree_exec import TreeVerifier, VerifyResult, run_stages
 
@@ -120,7 +128,7 @@ def train_predictor(target: StepModel, draft: StepModel, prompts: list[str], sec
     cut = int(0.8 * len(y))
     tr, te = order[:cut], order[cut:]
     w, b = fit_logistic(x[tr], y[tr])
-    spec = PredictorSpec(layer, [float(v) for v in w], b, 0.5)
+    spec = PredictorSpec(layer, [float(v) for v in w], b, 0.5, draft=draft_fingerprint(draft))
     p = score(spec, x[te])
     best = 0.0
     for thr in np.unique(np.concatenate([[0.0], np.quantile(p, np.linspace(0, 1, 101))])):

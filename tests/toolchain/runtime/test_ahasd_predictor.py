@@ -200,6 +200,23 @@ def test_train_predictor_reports_precision_and_recall(tree_artifacts):
     m = spec.metrics["test"]
     assert spec.layer == 1 and 0.0 <= m["precision"] <= 1.0 and m["recall"] >= 0.95 - 1e-9
     assert len(spec.weights) == 5
+    assert spec.draft == {"name": draft.name, "weights_sha256": draft.manifest.weights["sha256"]}
+
+
+def test_lever_prune_refuses_a_predictor_fitted_with_another_draft(tree_artifacts, tmp_path):
+    from toolchain.errors import MobcError
+
+    target_dir, draft_dir = tree_artifacts
+    target, draft, other = StepModel(target_dir), StepModel(draft_dir), StepModel(target_dir)
+    assert draft.manifest.weights["sha256"] != other.manifest.weights["sha256"]
+    spec = PredictorSpec(layer=1, weights=[0.0] * 5, bias=-10.0, threshold=0.5,
+                         draft={"name": other.name, "weights_sha256": other.manifest.weights["sha256"]})
+    path = save_predictor(spec, tmp_path / "p.json")
+    with pytest.raises(MobcError, match="fitted with draft .*mobc train predictor"):
+        make_policy("lever+prune", target, draft, predictor=path)
+    assert make_policy("lever+prune", target, other, predictor=path).name == "lever+prune"
+    legacy = save_predictor(PredictorSpec(layer=1, weights=[0.0] * 5, bias=-10.0, threshold=0.5), tmp_path / "l.json")
+    assert make_policy("lever+prune", target, draft, predictor=legacy).name == "lever+prune"  # no record: trusted
 
 
 def test_trained_predictor_beats_keeping_everything_on_held_out_nodes(tree_artifacts, near_draft):

@@ -233,13 +233,15 @@ def make(target: StepModel, draft: StepModel | None, gamma: int = 4, variant: st
     config = LeverConfig(**cfg)
     if not prune:
         return Lever(target, draft, config)
-    from toolchain.runtime.predictor import PrunedVerifier, load_predictor
+    from toolchain.runtime.predictor import PrunedVerifier, check_draft, load_predictor
 
     path = options.get("predictor") or target.folder / "predictor.json"  # where `mobc train predictor` writes
     if not Path(path).is_file():
         raise MobcError(f"lever+prune needs a predictor ({path} does not exist): run `mobc train predictor "
                         f"{target.folder} --draft <draft folder>`")
-    verifier = PrunedVerifier(target, load_predictor(path), logits="path" if config.logits != "full" else "full")
+    spec = load_predictor(path)
+    check_draft(spec, draft, path)
+    verifier = PrunedVerifier(target, spec, logits="path" if config.logits != "full" else "full")
     pol = Lever(target, draft, config, verifier=verifier)
     pol.name = "lever+prune"
     return pol
