@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from toolchain.cli.common import THREADS, console, load_models, load_source, log
+from toolchain.compile.report import rich_table
 from toolchain.errors import MobcError
 
 app = typer.Typer(no_args_is_help=True, help="Train helper models for the runtime (drafts, predictor, diffusion LM, forecasts).")
@@ -71,12 +72,15 @@ def _train_head(recipe: Path, out: Path, minutes: float | None, seed: int) -> No
 
     cfg = HeadConfig(seed=seed) if minutes is None else HeadConfig(seed=seed, minutes=minutes)
     report = train_head(recipe, out, cfg, log=log)
-    held = report["held_out"]
     console.print(f"[bold green]draft head[/] {out / HEAD_FILE}: {report['params_trained'] / 1e6:.1f}M trained params, "
                   f"draft vocabulary {report['draft_vocab']} (covers {report['vocab_coverage_held_out']:.3f} of the "
-                  f"target's held-out tokens); held-out chain gamma={cfg.gamma}: {held['tokens_per_call']:.2f} tokens "
-                  f"per target call, acceptance by depth {[round(a, 3) for a in held['accept_at_depth']]} "
-                  f"({report['steps']} steps, {report['seconds']:.0f} s)")
+                  f"target's held-out tokens), {report['steps']} steps, {report['seconds']:.0f} s")
+    sets = (("stdlib continuations", "held_out"), ("app prompts", "held_out_app"), ("self-written chat", "held_out_chat"))
+    rows = [{"set": name, "tpc": a["tokens_per_call"], "depth": " ".join(f"{x:.3f}" for x in a["accept_at_depth"])}
+            for name, key in sets if (a := report.get(key))]
+    console.print(rich_table(f"held-out chain gamma={cfg.gamma} on the target's own greedy text",
+                             (["held-out set", "tokens per target call", "acceptance by depth"],
+                              [[r["set"], f"{r['tpc']:.2f}", r["depth"]] for r in rows])))
 
 
 @app.command("predictor")
