@@ -149,8 +149,8 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
                                         cfg.answer_batch, budget * cfg.app_share, pad_id=pad)
     held_prompts = {"app": prompts[: cfg.held_out_windows],
                     "chat": [encode(tok, ChatPrompt(r)) for r in requests[: cfg.held_out_windows]]}
-    held_sets = {k: onpolicy.prompt_continuations(target, v, cfg.seq_len, cfg.prompt_len, cfg.answer_batch, 0.0,
-                                                  pad_id=pad) for k, v in held_prompts.items() if v}
+    held_sets = {k: onpolicy.prompt_continuations(target, v, cfg.seq_len, cfg.prompt_len, cfg.answer_batch,
+                                                  float("inf"), pad_id=pad) for k, v in held_prompts.items() if v}
     log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows "
         f"({len(requests)} self-written chat requests), {len(gen_held)} + "
         f"{sum(len(v) for v in held_sets.values())} held-out ({time.perf_counter() - t0:.0f} s)")
