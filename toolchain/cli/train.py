@@ -68,19 +68,17 @@ def train_draft(
 
 
 def _train_head(recipe: Path, out: Path, minutes: float | None, seed: int) -> None:
-    from toolchain.train.head import HEAD_FILE, HeadConfig, train_head
+    from toolchain.train.head import HEAD_FILE, HELD_OUT_SETS, HeadConfig, train_head
 
     cfg = HeadConfig(seed=seed) if minutes is None else HeadConfig(seed=seed, minutes=minutes)
     report = train_head(recipe, out, cfg, log=log)
     console.print(f"[bold green]draft head[/] {out / HEAD_FILE}: {report['params_trained'] / 1e6:.1f}M trained params, "
                   f"draft vocabulary {report['draft_vocab']} (covers {report['vocab_coverage_held_out']:.3f} of the "
                   f"target's held-out tokens), {report['steps']} steps, {report['seconds']:.0f} s")
-    sets = (("stdlib continuations", "held_out"), ("app prompts", "held_out_app"), ("self-written chat", "held_out_chat"))
-    rows = [{"set": name, "tpc": a["tokens_per_call"], "depth": " ".join(f"{x:.3f}" for x in a["accept_at_depth"])}
-            for name, key in sets if (a := report.get(key))]
+    rows = [[what, f"{a['tokens_per_call']:.2f}", " ".join(f"{x:.3f}" for x in a["accept_at_depth"])]
+            for key, what in HELD_OUT_SETS.items() if (a := report.get(key))]
     console.print(rich_table(f"held-out chain gamma={cfg.gamma} on the target's own greedy text",
-                             (["held-out set", "tokens per target call", "acceptance by depth"],
-                              [[r["set"], f"{r['tpc']:.2f}", r["depth"]] for r in rows])))
+                             (["held-out set", "tokens per target call", "acceptance by depth"], rows)))
 
 
 @app.command("predictor")

@@ -37,6 +37,9 @@ from toolchain.train.loop import timed_adamw_loop
 
 HEAD_FILE = "head.safetensors"
 REPORT_FILE = "head_report.json"
+# the report's held-out acceptance keys and what each measures (the target's own greedy text)
+HELD_OUT_SETS = {"held_out": "stdlib continuations", "held_out_app": "answers to app prompts",
+                 "held_out_chat": "answers to self-written chat requests"}
 
 
 @dataclass
@@ -186,24 +189,20 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     res = timed_adamw_loop(head, head.trainable(), step_loss, lr=cfg.lr, seconds=left, log=log, label="loss",
                            every=20)
     head.eval()
-    accept = chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)
-    accepts = {"stdlib continuations": accept}
-    for key, what in (("app", "app-prompt answers"), ("chat", "answers to self-written chat requests")):
-        if key in held_states:  # absent when no prompt fits the window (a tokenizer that splits text finely)
-            st = held_states[key]
-            accepts[what] = chain_acceptance(head, held_sets[key], st, F.linear(st, e_all).argmax(-1),
-                                             cfg.prompt_len, cfg.gamma)
-    for what, a in accepts.items():
-        log(f"held-out chain gamma={cfg.gamma} on the target's {what}: {a['tokens_per_call']:.2f} tokens per "
-            f"target call; acceptance by depth {[round(x, 3) for x in a['accept_at_depth']]}")
+    accepts = {"held_out": chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)}
+    for key, st in held_states.items():  # a set is absent when none of its prompts fits the window
+        accepts[f"held_out_{key}"] = chain_acceptance(head, held_sets[key], st, F.linear(st, e_all).argmax(-1),
+                                                      cfg.prompt_len, cfg.gamma)
+    for key, a in accepts.items():
+        log(f"held-out chain gamma={cfg.gamma} on the target's {HELD_OUT_SETS[key]}: {a['tokens_per_call']:.2f} "
+            f"tokens per target call; acceptance by depth {[round(x, 3) for x in a['accept_at_depth']]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_head(head, out_dir / HEAD_FILE)
     report = {"target": recipe.name, "target_source": loaded.description, "config": asdict(cfg),
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
               "vocab_coverage_held_out": coverage, "train_windows": len(windows), "generated_windows": len(gen),
               "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),
-              "held_out": accept, "held_out_app": accepts.get("app-prompt answers"),
-              "held_out_chat": accepts.get("answers to self-written chat requests"), "app_windows": len(app),
+              **{key: accepts.get(key) for key in HELD_OUT_SETS}, "app_windows": len(app),
               "self_chat_requests": len(requests), "seconds": round(time.perf_counter() - t0, 1)}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
     return report
