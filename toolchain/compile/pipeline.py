@@ -157,6 +157,18 @@ def stage_feeds(sessions: ArtifactSessions, family_feeds: dict[str, dict[str, An
     return feeds
 
 
+def gate_calls(sessions: ArtifactSessions, tokens: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """Per stage graph, the two calls the qnn: gate checks a quantized graph on: at past 0 (the text's
+    first tokens, which carry the massive activations) and about half a context in, with a real
+    cache behind it (where a decode step runs). A gate on the first call alone passed a W4A8 decode
+    binary whose K/V were 16 steps off the CPU's on every call with a cache (the attention mask's Add)."""
+    from toolchain.quantize.calibrate import family_feeds
+
+    per_family = {fam: list(family_feeds(sessions, fam, tokens, 2, seed=1)) for fam in sessions.families()}
+    plans = [stage_feeds(sessions, {fam: calls[i] for fam, calls in per_family.items()}) for i in range(2)]
+    return {name: [plan[name] for plan in plans] for name in plans[0]}
+
+
 def lockstep_applies(records: list[dict[str, Any]], spec: Any, loaded: LoadedModel) -> bool:
     """Whether the qnn: gate's lockstep runs: on, binaries built, and an AR model (a diffusion LM has
     no AR decode graph; its block binaries get the one-call gate)."""
@@ -185,11 +197,11 @@ def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list
 
 def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> dict[str, Any]:
     """HTP binaries of every quantized graph (integer kernels; the fp16 flag only for the float tensors
-    of `float_residual`), each run on one call of held-out text and gated against the CPU EP's QDQ
-    simulation, then the lockstep greedy run."""
+    of `float_residual`), each run on two calls of held-out text (`gate_calls`) and gated against the
+    CPU EP's QDQ simulation, then the lockstep greedy run."""
     from toolchain.artifact.manifest import Manifest
     from toolchain.qnn import context as qnn
-    from toolchain.quantize.calibrate import corpus_tokens, family_feeds
+    from toolchain.quantize.calibrate import corpus_tokens
     from toolchain.quantize.float_residual import FP16_TENSORS
     from toolchain.quantize.ppl import QUANT_DIR
 
@@ -198,9 +210,8 @@ def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> di
     spec = recipe.qnn.model_copy(update={"fp16": False, "options": {**recipe.qnn.options, **fp16_tensors}})
     sessions = ArtifactSessions(qdir, max_resident_bytes=PART_BUDGET_BYTES)
     held = corpus_tokens(loaded.tokenizer, "heldout", 2048)
-    calls = {fam: next(iter(family_feeds(sessions, fam, held, 1, seed=1))) for fam in sessions.families()}
     files = {name: qdir / stage.file for name, stage in sessions.stages.items()}
-    records = qnn.emit_qnn(files, qdir / "qnn", spec, stage_feeds(sessions, calls))
+    records = qnn.emit_qnn(files, qdir / "qnn", spec, gate_calls(sessions, held))
     result: dict[str, Any] = {"graphs": records}
     lockstep = lockstep_stage(qdir, records, spec, recipe, loaded) if lockstep_applies(records, spec, loaded) else None
     if lockstep is not None:

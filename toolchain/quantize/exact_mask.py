@@ -12,8 +12,15 @@ The rewrite, per Softmax whose input is `scores + mask` with the mask coming fro
 `attention_mask*` graph input:
 
     keep = mask / |MASK_MIN| + 1                    (exactly 1 where attended, 0 where masked)
-    p    = Softmax(scores + mask)
+    p    = Softmax(scores + (keep - 1) * SPAN)
     out  = p * keep / (ReduceSum(p * keep) + eps)   (renormalised over the attended slots)
+
+The additive mask the Softmax sees is -SPAN, not MASK_MIN: the Softmax input's grid is clipped to
+[hi - SPAN, hi] (qdq.py), so a masked score lands on the grid's floor either way and the CPU's QDQ
+arithmetic is unchanged (measured: bit-identical on SmolLM2 W4A8). But the HTP adds two quantized
+tensors at a common scale: with the mask's grid at 1e4/255 per step, 333x the sum's, the sum lost
+3 bits (attended scores came out in multiples of 8 steps; W4A8 decode K/V 16 steps off the CPU from
+layer 1 on). With the mask on a grid the sum's size, the Add is within a step.
 
 Every tensor stays quantizable (Mul, Add, ReduceSum, Div: QNN HTP runs them all quantized) and 0 is
 exact on every grid, so a masked slot multiplies its value row by exactly 0: the output no longer
@@ -35,7 +42,10 @@ MASK_INPUT_PREFIX = "attention_mask"
 MASK_CARRIERS = {"Slice", "Expand", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Identity", "Cast",
                  "DequantizeLinear", "QuantizeLinear", "Concat", "Tile"}
 RENORM_EPS = 1e-6
-EXACT_MASK_VERSION = 1  # in the calibration cache key: ranges of another rewrite must not be reused
+# attention logits further below the row max than this weigh exp(-30) ~ 1e-13: the Softmax input's
+# grid is clipped there (qdq.py) and the additive mask is this deep
+SOFTMAX_SPAN = 30.0
+EXACT_MASK_VERSION = 2  # in the calibration cache key: ranges of another rewrite must not be reused
 
 
 def _from_mask_input(name: str, producer: dict[str, onnx.NodeProto], inputs: set[str]) -> bool:
@@ -58,14 +68,18 @@ def _last_axis(node: onnx.NodeProto) -> bool:
     return axis == -1  # step graphs softmax over the context axis, written as -1 by the exporter
 
 
-def exact_attention_masks(model: onnx.ModelProto) -> int:
-    """Rewrites every masked Softmax of `model` in place (see module doc); returns how many."""
+def exact_attention_masks(model: onnx.ModelProto, span: float = SOFTMAX_SPAN) -> int:
+    """Rewrites every masked Softmax of `model` in place (see module doc); returns how many.
+
+    span: the depth of the additive mask; at least the Softmax input grid's span, or a masked score
+    would sit above that grid's floor."""
     g = model.graph
     producer = {o: n for n in g.node for o in n.output}
     inputs = {i.name for i in g.input}
     consts = {
         "mobc_mask_inv": np.array(-1.0 / MASK_MIN, np.float32),
         "mobc_mask_one": np.array(1.0, np.float32),
+        "mobc_mask_span": np.array(span, np.float32),
         "mobc_mask_eps": np.array(RENORM_EPS, np.float32),
         "mobc_mask_axes": np.array([-1], np.int64),
     }
@@ -84,9 +98,15 @@ def exact_attention_masks(model: onnx.ModelProto) -> int:
             continue
         if mask not in keep_of:
             keep_of[mask] = f"{mask}_keep"
-            scaled = f"{mask}_keep_scaled"
-            out_nodes.append(helper.make_node("Mul", [mask, "mobc_mask_inv"], [scaled], name=f"{mask}/keep_scale"))
-            out_nodes.append(helper.make_node("Add", [scaled, "mobc_mask_one"], [keep_of[mask]], name=f"{mask}/keep"))
+            scaled = f"{mask}_keep_scaled"  # exactly -1 where masked, 0 where attended
+            # before the Add, which reads the shallow mask
+            at = out_nodes.index(add)
+            out_nodes[at:at] = [
+                helper.make_node("Mul", [mask, "mobc_mask_inv"], [scaled], name=f"{mask}/keep_scale"),
+                helper.make_node("Add", [scaled, "mobc_mask_one"], [keep_of[mask]], name=f"{mask}/keep"),
+                helper.make_node("Mul", [scaled, "mobc_mask_span"], [f"{mask}_shallow"], name=f"{mask}/shallow"),
+            ]
+        add.input[list(add.input).index(mask)] = f"{mask}_shallow"
         probs = node.output[0]
         base = node.name or probs
         raw, kept, total, denom = (f"{probs}_{s}" for s in ("unmasked", "kept", "sum", "denom"))

@@ -33,7 +33,7 @@ from onnxruntime.quantization.calibrate import TensorsData, save_tensors_data
 from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
 from toolchain.errors import QuantizeError
-from toolchain.quantize.exact_mask import exact_attention_masks
+from toolchain.quantize.exact_mask import SOFTMAX_SPAN, exact_attention_masks
 from toolchain.quantize.fuse import fuse_rmsnorm
 from toolchain.quantize.htp_precise import precise_products
 from toolchain.quantize.lpbq import to_htp_forms
@@ -45,7 +45,6 @@ WEIGHT_QTYPES = {"int4": QuantType.QInt4, "int8": QuantType.QInt8, "int16": Quan
 ACT_QTYPES = {"int8": QuantType.QUInt8, "int16": QuantType.QUInt16}
 KV_PATTERN = re.compile(r"^(past|new)_(key|value)_(\d+)$")
 WEIGHT_OPS = {"MatMul": 1, "Gemm": 1, "Conv": 1}
-SOFTMAX_SPAN = 30.0  # exp(-30) ~ 1e-13: attention logits further below the row max are zero weight
 
 
 def uint_params(lo: float, hi: float, bits: int) -> tuple[float, int]:
@@ -267,7 +266,7 @@ def prepare_graph(src: Path, dst: Path, spec: QuantizeSpec) -> tuple[bool, dict[
     (whether `dst` was written, the fitted weights); nothing is written when nothing changed."""
     model = onnx.load(src)
     fold_weight_transposes(model)
-    masked = exact_attention_masks(model)
+    masked = exact_attention_masks(model, SOFTMAX_SPAN)
     fitted = split_grid_weights(model, grid_plans(model, spec)) if spec.source_grid else {}
     if masked or fitted:
         onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True,

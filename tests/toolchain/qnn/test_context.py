@@ -156,6 +156,15 @@ def test_compare_counts_non_finite_as_worst():
     assert c.worst == ("h", float("inf"))
 
 
+def test_the_gate_over_several_calls_is_the_worst_of_each_output():
+    cpu = {"logits": np.array([[[1.0, 0.0], [1.0, 0.0]]], np.float32), "h": np.ones(2, np.float32)}
+    early = qnn.compare(cpu, {"logits": cpu["logits"], "h": np.array([1.0, 1.5], np.float32)})
+    late = qnn.compare(cpu, {"logits": np.array([[[0.0, 1.0], [1.0, 0.0]]], np.float32), "h": cpu["h"]})
+    both = qnn.worst_of([early, late])
+    assert both.max_rel == {"logits": 1.0, "h": 0.5} and both.argmax_agreement == {"logits": 0.5}
+    assert qnn.worst_of([late, early]).max_abs == both.max_abs
+
+
 def test_top1_counts_near_ties_as_kept_only_within_the_tie():
     cpu = {"logits": np.array([[[1.0, 0.99, 0.0, 0.0], [1.0, 0.5, 0.0, 0.0]]], np.float32)}
     got = {"logits": np.array([[[0.98, 0.99, 0.0, 0.0], [0.4, 0.5, 0.0, 0.0]]], np.float32)}  # both rows pick 1

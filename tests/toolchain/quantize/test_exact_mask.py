@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from onnx import TensorProto, helper
 
 from toolchain.artifact.layout import MASK_MIN
 from toolchain.quantize import qdq
+from toolchain.quantize.encodings import by_name
 from toolchain.quantize.exact_mask import exact_attention_masks
 from toolchain.quantize.schema import QuantizeSpec
 from toolchain.quantize.stage import quantize_artifact
@@ -112,7 +114,7 @@ def test_quantized_graph_ignores_future_tokens_and_masked_cache_slots(artifact, 
 
 @pytest.fixture
 def without_rewrite(monkeypatch):
-    monkeypatch.setattr(qdq, "exact_attention_masks", lambda model: 0)
+    monkeypatch.setattr(qdq, "exact_attention_masks", lambda model, span: 0)
 
 
 def test_without_the_rewrite_the_quantized_graph_leaks(artifact, tokenizer, narrow_softmax_grid, without_rewrite):
@@ -120,3 +122,46 @@ def test_without_the_rewrite_the_quantized_graph_leaks(artifact, tokenizer, narr
     quantize_artifact(artifact, QuantizeSpec(**W4A16), tokenizer)
     future, stale = leaks(artifact / "quantized")
     assert max(future, stale) > 1e-3
+
+
+def _w4a8_kv_steps_after_attention(artifact: Path, tokenizer, tmp: Path) -> float:
+    """Quantizes the tiny model W4A8 (SmolLM2's scheme), builds its decode binary and returns how many
+    8-bit steps layer 1's K/V rows differ between the HTP and the CPU on a decode call with a real
+    cache behind it (layer 1 reads layer 0's attention over that cache)."""
+    from toolchain.qnn import context as qnn
+    from toolchain.quantize.calibrate import corpus_tokens, family_feeds
+    from toolchain.runtime.sessions import ArtifactSessions
+
+    spec = QuantizeSpec(weights="int4", granularity="block", block_size=16, activations="int8", kv_cache="int8",
+                        overrides={"*norm*": {"activations": "int16"}}, calibration={"samples": 2}, lpbq=True)
+    quantize_artifact(artifact, spec, tokenizer)
+    q = artifact / "quantized"
+    src = q / "decode.onnx"
+    feeds = list(family_feeds(ArtifactSessions(q), "decode", corpus_tokens(tokenizer, "heldout", 256), 4, seed=1))
+    assert (feeds[-1]["attention_mask"] == 0).sum() > 8  # a decode call with a cache behind it
+    cmp = qnn.run_and_compare(src, qnn.build_context_binary(src, tmp, fp16=False).model, feeds[-1],
+                              qnn.provider_options(57, 75, False))
+    encodings = by_name(json.loads((q / "decode.encodings.json").read_text())["activation_encodings"])
+    return max(cmp.max_abs[name] / encodings[name]["scale"][0] for name in ("new_key_1", "new_value_1"))
+
+
+@pytest.mark.qnn
+def test_the_htp_adds_the_shallow_mask_as_the_cpu_does(artifact, tokenizer, tmp_path):
+    """Measured on this tiny model: 3 steps (with the mask at MASK_MIN's depth, 11: the test below)."""
+    assert _w4a8_kv_steps_after_attention(artifact, tokenizer, tmp_path) <= 4
+
+
+@pytest.fixture
+def deep_mask(monkeypatch, tmp_path):
+    from toolchain.quantize import calibrate
+
+    deep = exact_attention_masks
+    monkeypatch.setattr(qdq, "exact_attention_masks", lambda model, span: deep(model, -MASK_MIN))
+    # the cached ranges were collected on the shallow mask (the cache key names the rewrite's version)
+    monkeypatch.setattr(calibrate, "CACHE_DIR", tmp_path / "ranges")
+
+
+@pytest.mark.qnn
+def test_a_mask_at_mask_min_depth_loses_bits_in_the_htp_add(artifact, tokenizer, tmp_path, deep_mask):
+    """The failure the shallow mask exists for (so the test above can fail)."""
+    assert _w4a8_kv_steps_after_attention(artifact, tokenizer, tmp_path) >= 8

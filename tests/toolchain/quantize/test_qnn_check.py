@@ -117,6 +117,7 @@ def test_a_quantized_recipes_qnn_section_builds_its_quantized_graphs(tiny_src, t
     q = result.manifest.quantization["qnn"]
     assert {r["graph"] for r in q["graphs"]} == {"decode", "prefill"}
     assert all(r["status"] == "verified" and r["fp16"] is False for r in q["graphs"])
+    assert all(r["verify"]["calls"] == 2 for r in q["graphs"])  # past 0, and a call with a cache behind it
     assert q["lockstep"]["tokens"] == 4
     qm = Manifest.load(result.out_dir / "quantized")
     assert qm.qnn_lockstep["tokens"] == 4 and len(qm.qnn) == 2
