@@ -169,6 +169,14 @@ def gate_calls(sessions: ArtifactSessions, tokens: list[int]) -> dict[str, list[
     return {name: [plan[name] for plan in plans] for name in plans[0]}
 
 
+def float_outputs(folder: Path, calls: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Each quantized stage graph's float original (the artifact at `folder`) run on the same calls:
+    the reference the gate measures the HTP and the CPU simulation against."""
+    floats = ArtifactSessions(folder, max_resident_bytes=PART_BUDGET_BYTES)
+    return {name: [floats.run_stage(floats.stages[name], {k: f[k] for k in floats.stages[name].input_names})
+                   for f in fs] for name, fs in calls.items() if name in floats.stages}
+
+
 def lockstep_applies(records: list[dict[str, Any]], spec: Any, loaded: LoadedModel) -> bool:
     """Whether the qnn: gate's lockstep runs: on, binaries built, and an AR model (a diffusion LM has
     no AR decode graph; its block binaries get the one-call gate)."""
@@ -198,7 +206,8 @@ def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list
 def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> dict[str, Any]:
     """HTP binaries of every quantized graph (integer kernels; the fp16 flag only for the float tensors
     of `float_residual`), each run on two calls of held-out text (`gate_calls`) and gated against the
-    CPU EP's QDQ simulation, then the lockstep greedy run."""
+    CPU EP's QDQ simulation, with the float graphs as the reference both approximate (`qnn.compare`),
+    then the lockstep greedy run."""
     from toolchain.artifact.manifest import Manifest
     from toolchain.qnn import context as qnn
     from toolchain.quantize.calibrate import corpus_tokens
@@ -211,7 +220,8 @@ def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> di
     sessions = ArtifactSessions(qdir, max_resident_bytes=PART_BUDGET_BYTES)
     held = corpus_tokens(loaded.tokenizer, "heldout", 2048)
     files = {name: qdir / stage.file for name, stage in sessions.stages.items()}
-    records = qnn.emit_qnn(files, qdir / "qnn", spec, gate_calls(sessions, held))
+    calls = gate_calls(sessions, held)
+    records = qnn.emit_qnn(files, qdir / "qnn", spec, calls, float_outputs(folder, calls))
     result: dict[str, Any] = {"graphs": records}
     lockstep = lockstep_stage(qdir, records, spec, recipe, loaded) if lockstep_applies(records, spec, loaded) else None
     if lockstep is not None:

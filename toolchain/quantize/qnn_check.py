@@ -34,6 +34,8 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
     ctx: dict[str, Path] = {}
     graphs: dict[str, Any] = {}
     held = corpus_tokens(tokenizer_ids, "heldout", 2048)
+    # the float artifact the quantized one sits in: the reference both the CPU and the HTP approximate
+    floats = ArtifactSessions(qdir.parent) if (qdir.parent / "manifest.json").is_file() else None
     for fam in cpu.families():
         # past 0 and half a context in, as the compile's gate (pipeline.gate_calls)
         calls = list(family_feeds(cpu, fam, held, 2, seed=1))
@@ -43,13 +45,19 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
             b = qnn.build_context_binary(path, out, soc_model, htp_arch, False, extra, name=st.name)
             ctx[st.name] = b.model
             # a row keeps its token when the CPU scores the HTP's pick within the gate's tie (as `qnn:` does)
-            cmp = qnn.worst_of([qnn.run_and_compare(path, b.model, {k: f[k] for k in st.input_names if k in f}, opts,
-                                                    qnn.QnnSpec().top1_tie) for f in calls])
+            stage_calls = [{k: f[k] for k in st.input_names if k in f} for f in calls]
+            refs = ([floats.run_stage(floats.stages[st.name], f) for f in stage_calls]
+                    if floats and st.name in floats.stages else [None] * len(stage_calls))
+            cmp = qnn.worst_of([qnn.run_and_compare(path, b.model, f, opts, qnn.QnnSpec().top1_tie, r)
+                                for f, r in zip(stage_calls, refs, strict=True)])
             worst_name, worst = cmp.worst
             graphs[st.name] = {"context_bytes": b.bytes, "build_seconds": round(b.seconds, 1),
                                "worst_output": worst_name, "worst_max_abs": worst,
                                "logits_max_abs": cmp.max_abs.get("logits"),
                                "argmax_agreement": cmp.argmax_agreement.get("logits"),
+                               "argmax_vs_cpu": cmp.argmax_vs_cpu.get("logits"),
+                               "argmax_vs_float": cmp.argmax_vs_float.get("logits"),
+                               "excess_rel_max": max(cmp.excess_rel.values(), default=None),
                                "cpu_seconds": round(cmp.cpu_seconds, 3),
                                "htp_emulated_seconds": round(cmp.qnn_seconds, 3)}
     t = time.perf_counter()

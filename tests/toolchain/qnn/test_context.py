@@ -165,6 +165,29 @@ def test_the_gate_over_several_calls_is_the_worst_of_each_output():
     assert qnn.worst_of([late, early]).max_abs == both.max_abs
 
 
+def test_a_quantized_output_may_differ_from_the_cpu_as_far_as_the_cpu_differs_from_float():
+    """With the float graph as reference (quantized graphs), the HTP and the CPU simulation are two
+    roundings of one model: a row keeps its token when the HTP picks the CPU's or the float's, and a
+    K/V row may be as far from the CPU as the CPU is from float, not farther."""
+    flt = {"logits": np.array([[[1.0, 0.9, 0.0]]]), "k": np.array([1.0, -1.0, 0.5])}
+    cpu = {"logits": np.array([[[0.9, 1.0, 0.0]]]), "k": np.array([1.0, -0.9, 0.5])}  # 0.1 from float
+    htp = {"logits": np.array([[[1.0, 0.9, 0.0]]]), "k": np.array([0.9, -1.0, 0.5])}  # 0.1 from float too
+    c = qnn.compare(cpu, htp, 0.02, flt)
+    assert c.argmax_agreement["logits"] == 1.0 and c.argmax_vs_cpu["logits"] == 0.0
+    assert c.argmax_vs_float["logits"] == {"cpu": 0.0, "htp": 1.0}
+    assert c.max_rel["k"] == pytest.approx(0.1) and c.excess_rel["k"] == pytest.approx(0.0)
+    qnn.check_gate("decode", c, qnn.QnnSpec())  # 10% off the CPU, but no farther from float than it
+    with pytest.raises(qnn.QnnMismatchError, match="min_top1"):  # without the reference: a flip
+        qnn.check_gate("decode", qnn.compare(cpu, htp, 0.02), qnn.QnnSpec())
+    htp["k"] = np.array([1.0, -0.9, 0.8])  # 0.3 from float where the CPU is 0.1
+    c = qnn.compare(cpu, htp, 0.02, flt)
+    assert c.excess_rel["k"] == pytest.approx(0.2)
+    with pytest.raises(qnn.QnnMismatchError, match=r"'k'.*0\.2 farther from the float graph"):
+        qnn.check_gate("decode", c, qnn.QnnSpec())
+    both = qnn.worst_of([qnn.compare(cpu, cpu, 0.02, flt), c])
+    assert both.excess_rel["k"] == pytest.approx(0.2) and both.argmax_vs_float["logits"]["htp"] == 0.0
+
+
 def test_top1_counts_near_ties_as_kept_only_within_the_tie():
     cpu = {"logits": np.array([[[1.0, 0.99, 0.0, 0.0], [1.0, 0.5, 0.0, 0.0]]], np.float32)}
     got = {"logits": np.array([[[0.98, 0.99, 0.0, 0.0], [0.4, 0.5, 0.0, 0.0]]], np.float32)}  # both rows pick 1

@@ -121,3 +121,51 @@ def test_a_quantized_recipes_qnn_section_builds_its_quantized_graphs(tiny_src, t
     assert q["lockstep"]["tokens"] == 4
     qm = Manifest.load(result.out_dir / "quantized")
     assert qm.qnn_lockstep["tokens"] == 4 and len(qm.qnn) == 2
+
+
+def _weights_scaled(src, dst, weight: str, factor: float) -> None:
+    """A copy of the QDQ graph `src` whose `weight` dequantizes `factor` times too large: the binary of
+    a graph whose numbers are not the simulation's. (An activation's DQ scale changed alone is not
+    enough: the QNN EP takes a Q/DQ pair's encoding from one of them, measured.)"""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(src)
+    inits = {i.name: i for i in model.graph.initializer}
+    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == weight]
+    scale = numpy_helper.to_array(inits[dq.input[1]]) * np.float32(factor)
+    model.graph.initializer.append(numpy_helper.from_array(scale, f"{weight}_broken_scale"))
+    dq.input[1] = f"{weight}_broken_scale"
+    onnx.save(model, dst, save_as_external_data=True, location=f"{dst.name}.data")
+
+
+@pytest.mark.qnn
+def test_the_quantized_gate_measures_against_the_float_graph_and_fails_a_broken_binary(artifact, tokenizer, tmp_path,
+                                                                                       monkeypatch):
+    """Quantized graphs are gated with their float originals as the reference (two calls each): a faithful
+    W4A16 binary passes and records how the CPU and the HTP agree with float; a binary whose layer-0
+    v_proj weights are 1.5x too large fails."""
+    from toolchain.compile.pipeline import float_outputs, gate_calls
+    from toolchain.quantize.calibrate import corpus_tokens
+    from toolchain.quantize.schema import QuantizeSpec
+    from toolchain.quantize.stage import quantize_artifact
+    from toolchain.runtime.sessions import ArtifactSessions
+
+    quantize_artifact(artifact, QuantizeSpec(weights="int4", granularity="block", block_size=16, activations="int16",
+                                             calibration={"samples": 2}), tokenizer)
+    q = artifact / "quantized"
+    calls = gate_calls(ArtifactSessions(q), corpus_tokens(tokenizer, "heldout", 256))
+    refs = float_outputs(artifact, calls)
+    spec = qnn.QnnSpec(fp16=False)
+    (rec,) = qnn.emit_qnn({"decode": q / "decode.onnx"}, tmp_path / "ok", spec, {"decode": calls["decode"]}, refs)
+    v = rec["verify"]
+    assert v["calls"] == 2 and v["argmax_agreement"]["logits"] == 1.0
+    assert set(v["argmax_vs_float"]["logits"]) == {"cpu", "htp"} and max(v["excess_rel"].values()) < 0.05
+    _weights_scaled(q / "decode.onnx", q / "decode_broken.onnx", "layers.0.self_attn.v_proj.weight_quantized", 1.5)
+    real_build = qnn.build_context_binary
+    monkeypatch.setattr(qnn, "build_context_binary",
+                        lambda path, *a, **kw: real_build(q / "decode_broken.onnx", *a, **kw))
+    # measured: new_value_0 0.48 off the CPU, 0.40 farther from float than the CPU is
+    with pytest.raises(qnn.QnnMismatchError, match="new_value_0.*farther from the float graph"):
+        qnn.emit_qnn({"decode": q / "decode.onnx"}, tmp_path / "bad", spec, {"decode": calls["decode"]}, refs)
