@@ -27,6 +27,22 @@ def test_quantized_graphs_build_and_follow_the_cpu_simulation(compiled, tmp_path
     assert all(0 <= f["cpu_gap"] <= 2 * g["logits_max_abs"] for f in g["flips"])
     assert any(m.startswith("lockstep token 8/8") for m in lines)
     assert json.loads((tmp_path / "qnn_check.json").read_text())["greedy"]["tokens"] == 8
+    # measured against the float artifact the quantized one sits in, as the compile's gate
+    for g in r["graphs"].values():
+        assert set(g["argmax_vs_float"]) == {"cpu", "htp"} and g["excess_rel_max"] < 0.05
+
+
+@pytest.mark.qnn
+def test_eval_qnn_prints_how_the_cpu_and_the_htp_agree_with_float(compiled, tmp_path):
+    from typer.testing import CliRunner
+
+    from toolchain.cli.main import app
+
+    res = CliRunner().invoke(app, ["eval", "qnn", str(compiled), "--tokens", "2", "--out", str(tmp_path)],
+                             terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "HTP = float" in res.output and "excess vs float" in res.output
+    assert "decode" in res.output and "prefill" in res.output
 
 
 @pytest.mark.qnn
@@ -118,6 +134,7 @@ def test_a_quantized_recipes_qnn_section_builds_its_quantized_graphs(tiny_src, t
     assert {r["graph"] for r in q["graphs"]} == {"decode", "prefill"}
     assert all(r["status"] == "verified" and r["fp16"] is False for r in q["graphs"])
     assert all(r["verify"]["calls"] == 2 for r in q["graphs"])  # past 0, and a call with a cache behind it
+    assert all(set(r["verify"]["argmax_vs_float"]["logits"]) == {"cpu", "htp"} for r in q["graphs"])
     assert q["lockstep"]["tokens"] == 4
     qm = Manifest.load(result.out_dir / "quantized")
     assert qm.qnn_lockstep["tokens"] == 4 and len(qm.qnn) == 2
