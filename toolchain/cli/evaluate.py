@@ -30,14 +30,14 @@ def eval_ppl(
 def eval_qnn(
     artifact: Path = typer.Argument(..., help="artifact folder with a quantized/ sub-artifact"),
     tokens: int = typer.Option(64, "--tokens", help="greedy tokens compared HTP vs CPU QDQ"),
-    out: Path | None = typer.Option(None, "--out", help="where context binaries go (default quantized/qnn)"),
+    out: Path | None = typer.Option(None, "--out", help="where context binaries are built (default: the compile's own in quantized/qnn, checked as they are, or built there if the compile made none)"),
 ) -> None:
     """Build QNN HTP context binaries of the quantized graphs and compare them with the CPU QDQ simulation."""
     from toolchain.compile.report import rich_table
     from toolchain.quantize.qnn_check import check_quantized
 
     q = artifact / "quantized"
-    r = check_quantized(q, out or q / "qnn", tokens, log=lambda m: err.print(f"[dim]{m}[/]"))
+    r = check_quantized(q, out, tokens, log=lambda m: err.print(f"[dim]{m}[/]"))
     def pct(x: float | None) -> str:
         return "—" if x is None else f"{x * 100:.1f}%"
 

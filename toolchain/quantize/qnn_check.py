@@ -23,7 +23,7 @@ from toolchain.quantize.float_residual import FP16_TENSORS, has_float_tensors
 from toolchain.runtime.sessions import ArtifactSessions
 
 
-def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: int = 57,
+def check_quantized(qdir: Path, out: Path | None = None, greedy_tokens: int = 64, soc_model: int = 57,
                     htp_arch: int = 75, prompt: str = "def fibonacci(n):\n",
                     log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     qnn.require()
@@ -31,6 +31,13 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
     extra = FP16_TENSORS if has_float_tensors(cpu.manifest.quantization) else {}
     opts = qnn.provider_options(soc_model, htp_arch, False, extra)
     tokenizer_ids = _tokenizer(qdir)
+    out = out or qdir / "qnn"
+    # binaries the compile built (its `qnn:` section) are listed and hashed in the manifest: checked as
+    # they are, never rebuilt in place (a rebuild differs byte for byte and the artifact reads as damaged)
+    compiled = {r["graph"]: r for r in (cpu.manifest.qnn or []) if r.get("context_model")
+                and (r.get("soc_model"), r.get("htp_arch")) == (soc_model, htp_arch)}
+    if out.resolve() != (qdir / "qnn").resolve():
+        compiled = {}
     ctx: dict[str, Path] = {}
     graphs: dict[str, Any] = {}
     held = corpus_tokens(tokenizer_ids, "heldout", 2048)
@@ -41,8 +48,14 @@ def check_quantized(qdir: Path, out: Path, greedy_tokens: int = 64, soc_model: i
         calls = list(family_feeds(cpu, fam, held, 2, seed=1))
         for st in cpu.chain(fam):
             path = qdir / st.file
-            log(f"building the HTP context binary of {st.name}")
-            b = qnn.build_context_binary(path, out, soc_model, htp_arch, False, extra, name=st.name)
+            if st.name in compiled:
+                rec = compiled[st.name]
+                log(f"checking the compile's HTP context binary of {st.name}")
+                b = qnn.ContextBinary(out / rec["context_model"], [out / f for f in rec["binaries"]],
+                                      rec["build_seconds"])
+            else:
+                log(f"building the HTP context binary of {st.name}")
+                b = qnn.build_context_binary(path, out, soc_model, htp_arch, False, extra, name=st.name)
             ctx[st.name] = b.model
             # a row keeps its token when the CPU scores the HTP's pick within the gate's tie (as `qnn:` does)
             stage_calls = [{k: f[k] for k in st.input_names if k in f} for f in calls]

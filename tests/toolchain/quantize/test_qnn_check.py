@@ -138,6 +138,12 @@ def test_a_quantized_recipes_qnn_section_builds_its_quantized_graphs(tiny_src, t
     assert q["lockstep"]["tokens"] == 4
     qm = Manifest.load(result.out_dir / "quantized")
     assert qm.qnn_lockstep["tokens"] == 4 and len(qm.qnn) == 2
+    # `mobc eval qnn` afterwards checks the compile's binaries as they are: rebuilt in place they
+    # differed byte for byte and the artifact read as damaged
+    lines: list[str] = []
+    check_quantized(result.out_dir / "quantized", greedy_tokens=2, log=lines.append)
+    assert sum(m.startswith("checking the compile's HTP context binary") for m in lines) == 2
+    Manifest.load(result.out_dir / "quantized")  # raises on a changed file
 
 
 def _weights_scaled(src, dst, weight: str, factor: float) -> None:
