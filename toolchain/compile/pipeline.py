@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import passes as pass_registry
-from toolchain.artifact.chain import run_chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import Manifest
 from toolchain.compile.capture import layout_for, rope_tables
@@ -39,7 +38,7 @@ from toolchain.errors import RecipeError, VerificationError
 from toolchain.ir import disk
 from toolchain.ir.graphset import GraphEntry, GraphSet
 from toolchain.runtime.greedy import decode_family, greedy
-from toolchain.runtime.sessions import PART_BUDGET_BYTES, ArtifactSessions
+from toolchain.runtime.sessions import PART_BUDGET_BYTES, ArtifactSessions, stage_feeds
 
 
 class Reporter:
@@ -144,39 +143,6 @@ def verify_artifact(folder: Path, recipe: Recipe, loaded: LoadedModel, cases: di
 LOCKSTEP_PROMPT_TOKENS = 8
 
 
-def stage_feeds(sessions: ArtifactSessions, family_feeds: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each stage graph's inputs when its family's chain runs on `family_feeds[family]` (parts get
-    the real residual stream their predecessor produced)."""
-    feeds: dict[str, dict[str, Any]] = {}
-    for family, family_in in family_feeds.items():
-        def record(stage: Any, stage_in: dict[str, Any]) -> dict[str, Any]:
-            feeds[stage.name] = stage_in
-            return sessions.run_stage(stage, stage_in)
-
-        run_chain(sessions.chain(family), family_in, record)
-    return feeds
-
-
-def gate_calls(sessions: ArtifactSessions, tokens: list[int]) -> dict[str, list[dict[str, Any]]]:
-    """Per stage graph, the two calls the qnn: gate checks a quantized graph on: at past 0 (the text's
-    first tokens, which carry the massive activations) and about half a context in, with a real
-    cache behind it (where a decode step runs). A gate on the first call alone passed a W4A8 decode
-    binary whose K/V were 16 steps off the CPU's on every call with a cache (the attention mask's Add)."""
-    from toolchain.quantize.calibrate import family_feeds
-
-    per_family = {fam: list(family_feeds(sessions, fam, tokens, 2, seed=1)) for fam in sessions.families()}
-    plans = [stage_feeds(sessions, {fam: calls[i] for fam, calls in per_family.items()}) for i in range(2)]
-    return {name: [plan[name] for plan in plans] for name in plans[0]}
-
-
-def float_outputs(folder: Path, calls: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
-    """Each quantized stage graph's float original (the artifact at `folder`) run on the same calls:
-    the reference the gate measures the HTP and the CPU simulation against."""
-    floats = ArtifactSessions(folder, max_resident_bytes=PART_BUDGET_BYTES)
-    return {name: [floats.run_stage(floats.stages[name], {k: f[k] for k in floats.stages[name].input_names})
-                   for f in fs] for name, fs in calls.items() if name in floats.stages}
-
-
 def lockstep_applies(records: list[dict[str, Any]], spec: Any, loaded: LoadedModel) -> bool:
     """Whether the qnn: gate's lockstep runs: on, binaries built, and an AR model (a diffusion LM has
     no AR decode graph; its block binaries get the one-call gate)."""
@@ -213,6 +179,7 @@ def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> di
     from toolchain.quantize.calibrate import corpus_tokens
     from toolchain.quantize.float_residual import FP16_TENSORS
     from toolchain.quantize.ppl import QUANT_DIR
+    from toolchain.quantize.qnn_check import float_outputs, gate_calls
 
     qdir = folder / QUANT_DIR
     fp16_tensors = FP16_TENSORS if recipe.quantize.float_residual else {}

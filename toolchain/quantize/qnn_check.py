@@ -20,7 +20,7 @@ from toolchain.qnn import context as qnn
 from toolchain.qnn.lockstep import ContextSessions, lockstep_greedy
 from toolchain.quantize.calibrate import corpus_tokens, family_feeds
 from toolchain.quantize.float_residual import FP16_TENSORS, has_float_tensors
-from toolchain.runtime.sessions import ArtifactSessions
+from toolchain.runtime.sessions import PART_BUDGET_BYTES, ArtifactSessions, stage_feeds
 
 
 def check_quantized(qdir: Path, out: Path | None = None, greedy_tokens: int = 64, soc_model: int = 57,
@@ -42,10 +42,10 @@ def check_quantized(qdir: Path, out: Path | None = None, greedy_tokens: int = 64
     graphs: dict[str, Any] = {}
     held = corpus_tokens(tokenizer_ids, "heldout", 2048)
     # the float artifact the quantized one sits in: the reference both the CPU and the HTP approximate
-    floats = ArtifactSessions(qdir.parent) if (qdir.parent / "manifest.json").is_file() else None
+    has_floats = (qdir.parent / "manifest.json").is_file()
+    calls = gate_calls(cpu, held)  # past 0 and half a context in, as the compile's gate
+    refs = float_outputs(qdir.parent, calls) if has_floats else {}
     for fam in cpu.families():
-        # past 0 and half a context in, as the compile's gate (pipeline.gate_calls)
-        calls = list(family_feeds(cpu, fam, held, 2, seed=1))
         for st in cpu.chain(fam):
             path = qdir / st.file
             if st.name in compiled:
@@ -58,11 +58,9 @@ def check_quantized(qdir: Path, out: Path | None = None, greedy_tokens: int = 64
                 b = qnn.build_context_binary(path, out, soc_model, htp_arch, False, extra, name=st.name)
             ctx[st.name] = b.model
             # a row keeps its token when the CPU scores the HTP's pick within the gate's tie (as `qnn:` does)
-            stage_calls = [{k: f[k] for k in st.input_names if k in f} for f in calls]
-            refs = ([floats.run_stage(floats.stages[st.name], f) for f in stage_calls]
-                    if floats and st.name in floats.stages else [None] * len(stage_calls))
+            stage_refs = refs.get(st.name) or [None] * len(calls[st.name])
             cmp = qnn.worst_of([qnn.run_and_compare(path, b.model, f, opts, qnn.QnnSpec().top1_tie, r)
-                                for f, r in zip(stage_calls, refs, strict=True)])
+                                for f, r in zip(calls[st.name], stage_refs, strict=True)])
             worst_name, worst = cmp.worst
             graphs[st.name] = {"context_bytes": b.bytes, "build_seconds": round(b.seconds, 1),
                                "worst_output": worst_name, "worst_max_abs": worst,
@@ -80,6 +78,24 @@ def check_quantized(qdir: Path, out: Path | None = None, greedy_tokens: int = 64
     result = {"soc_model": soc_model, "htp_arch": htp_arch, "graphs": graphs, "greedy": greedy}
     (out / "qnn_check.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def gate_calls(sessions: ArtifactSessions, tokens: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """Per stage graph, the two calls the qnn: gate checks a quantized graph on: at past 0 (the text's
+    first tokens, which carry the massive activations) and about half a context in, with a real
+    cache behind it (where a decode step runs). A gate on the first call alone passed a W4A8 decode
+    binary whose K/V were 16 steps off the CPU's on every call with a cache (the attention mask's Add)."""
+    per_family = {fam: list(family_feeds(sessions, fam, tokens, 2, seed=1)) for fam in sessions.families()}
+    plans = [stage_feeds(sessions, {fam: calls[i] for fam, calls in per_family.items()}) for i in range(2)]
+    return {name: [plan[name] for plan in plans] for name in plans[0]}
+
+
+def float_outputs(folder: Path, calls: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Each quantized stage graph's float original (the artifact at `folder`) run on the same calls:
+    the reference the gate measures the HTP and the CPU simulation against."""
+    floats = ArtifactSessions(folder, max_resident_bytes=PART_BUDGET_BYTES)
+    return {name: [floats.run_stage(floats.stages[name], {k: f[k] for k in floats.stages[name].input_names})
+                   for f in fs] for name, fs in calls.items() if name in floats.stages}
 
 
 def _tokenizer(folder: Path) -> Any:

@@ -219,3 +219,16 @@ class BoundFamily:
         for sess, binding in self._runs:
             sess.run_with_iobinding(binding)
         return self.outputs
+
+
+def stage_feeds(sessions: ArtifactSessions, family_feeds: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each stage graph's inputs when its family's chain runs on `family_feeds[family]` (parts get
+    the real residual stream their predecessor produced)."""
+    feeds: dict[str, dict[str, Any]] = {}
+    for family, family_in in family_feeds.items():
+        def record(stage: Any, stage_in: dict[str, Any]) -> dict[str, Any]:
+            feeds[stage.name] = stage_in
+            return sessions.run_stage(stage, stage_in)
+
+        run_chain(sessions.chain(family), family_in, record)
+    return feeds

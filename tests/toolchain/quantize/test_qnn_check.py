@@ -169,8 +169,8 @@ def test_the_quantized_gate_measures_against_the_float_graph_and_fails_a_broken_
     """Quantized graphs are gated with their float originals as the reference (two calls each): a faithful
     W4A16 binary passes and records how the CPU and the HTP agree with float; a binary whose layer-0
     v_proj weights are 1.5x too large fails."""
-    from toolchain.compile.pipeline import float_outputs, gate_calls
     from toolchain.quantize.calibrate import corpus_tokens
+    from toolchain.quantize.qnn_check import float_outputs, gate_calls
     from toolchain.quantize.schema import QuantizeSpec
     from toolchain.quantize.stage import quantize_artifact
     from toolchain.runtime.sessions import ArtifactSessions
