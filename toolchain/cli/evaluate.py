@@ -54,8 +54,11 @@ def eval_qnn(
         ["graph", "context", "build s", "max |diff|", "worst", "argmax = CPU", "CPU = float", "HTP = float",
          "excess vs float"], rows)))
     gr = r["greedy"]
-    console.print(f"greedy {gr['tokens']} tokens (lockstep): argmax agreement {gr['argmax_agreement'] * 100:.1f}%, "
-                  f"max |logit diff| {gr['logits_max_abs']:.4g}")
+    vs_float = gr.get("argmax_vs_float")
+    floats = (f", the float graphs' token: CPU {pct(vs_float['cpu'])}, HTP {pct(vs_float['htp'])}, "
+              f"HTP = CPU or float {pct(gr['argmax_kept'])}" if vs_float else "")
+    console.print(f"greedy {gr['tokens']} tokens (lockstep): argmax agreement {gr['argmax_agreement'] * 100:.1f}%"
+                  f"{floats}, max |logit diff| {gr['logits_max_abs']:.4g}")
 
 
 @app.command("sensitivity")

@@ -151,12 +151,13 @@ def lockstep_applies(records: list[dict[str, Any]], spec: Any, loaded: LoadedMod
 
 
 def lockstep_stage(folder: Path, records: list[dict[str, Any]], spec: Any, recipe: Recipe,
-                   loaded: LoadedModel) -> dict[str, Any]:
-    """The qnn: gate's greedy lockstep through the binaries `records` lists, on the verify prompt."""
+                   loaded: LoadedModel, reference: Path | None = None) -> dict[str, Any]:
+    """The qnn: gate's greedy lockstep through the binaries `records` lists, on the verify prompt;
+    `reference`: the float artifact of a quantized one."""
     from toolchain.qnn.lockstep import lockstep_gate
 
     ids = loaded.tokenizer(recipe.verify.prompt).input_ids[:LOCKSTEP_PROMPT_TOKENS]
-    return lockstep_gate(folder, records, spec, ids)
+    return lockstep_gate(folder, records, spec, ids, reference=reference)
 
 
 def emit_qnn_stage(folder: Path, recipe: Recipe, cases: dict[str, Case]) -> list[dict[str, Any]]:
@@ -190,7 +191,8 @@ def quantized_qnn_stage(folder: Path, recipe: Recipe, loaded: LoadedModel) -> di
     calls = gate_calls(sessions, held)
     records = qnn.emit_qnn(files, qdir / "qnn", spec, calls, float_outputs(folder, calls))
     result: dict[str, Any] = {"graphs": records}
-    lockstep = lockstep_stage(qdir, records, spec, recipe, loaded) if lockstep_applies(records, spec, loaded) else None
+    lockstep = (lockstep_stage(qdir, records, spec, recipe, loaded, reference=folder)
+                if lockstep_applies(records, spec, loaded) else None)
     if lockstep is not None:
         result["lockstep"] = lockstep
     qm = Manifest.load(qdir, check_files=False)

@@ -104,8 +104,11 @@ def lockstep_line(m: Manifest) -> str | None:
     g = m.qnn_lockstep
     if not g:
         return None
+    vs_float = g.get("argmax_vs_float")
+    floats = (f"; the float graphs' token picked by the CPU on {vs_float['cpu']:.0%}, by the HTP on {vs_float['htp']:.0%}"
+              if vs_float else "")
     return (f"Greedy lockstep through the HTP decode binaries: {g['tokens']} tokens after a {g['prompt_tokens']}-token "
-            f"prompt, the CPU's token kept on {g['argmax_agreement']:.0%} of steps, max |logit diff| "
+            f"prompt, the CPU's token kept on {g['argmax_agreement']:.0%} of steps{floats}, max |logit diff| "
             f"{g['logits_max_abs']:.3g} ({g['seconds']:.0f} s emulated).")
 
 

@@ -73,7 +73,8 @@ def check_quantized(qdir: Path, out: Path | None = None, greedy_tokens: int = 64
                                "htp_emulated_seconds": round(cmp.qnn_seconds, 3)}
     t = time.perf_counter()
     htp = ContextSessions(qdir, ctx, opts)
-    greedy = lockstep_greedy(cpu, htp, tokenizer_ids(prompt).input_ids, greedy_tokens, log)
+    floats = ArtifactSessions(qdir.parent, max_resident_bytes=PART_BUDGET_BYTES) if has_floats else None
+    greedy = lockstep_greedy(cpu, htp, tokenizer_ids(prompt).input_ids, greedy_tokens, log, floats)
     greedy["seconds"] = round(time.perf_counter() - t, 1)
     result = {"soc_model": soc_model, "htp_arch": htp_arch, "graphs": graphs, "greedy": greedy}
     (out / "qnn_check.json").write_text(json.dumps(result, indent=1) + "\n")

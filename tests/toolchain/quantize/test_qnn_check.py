@@ -26,10 +26,40 @@ def test_quantized_graphs_build_and_follow_the_cpu_simulation(compiled, tmp_path
     assert len(g["flips"]) == round(8 * (1 - g["argmax_agreement"]))
     assert all(0 <= f["cpu_gap"] <= 2 * g["logits_max_abs"] for f in g["flips"])
     assert any(m.startswith("lockstep token 8/8") for m in lines)
+    # the float lane: the steps kept (the CPU's token or the float graphs') include every agreeing one
+    assert set(g["argmax_vs_float"]) == {"cpu", "htp"} and g["argmax_kept"] >= g["argmax_agreement"]
+    assert all("htp_is_float" in f for f in g["flips"])
     assert json.loads((tmp_path / "qnn_check.json").read_text())["greedy"]["tokens"] == 8
     # measured against the float artifact the quantized one sits in, as the compile's gate
     for g in r["graphs"].values():
         assert set(g["argmax_vs_float"]) == {"cpu", "htp"} and g["excess_rel_max"] < 0.05
+
+
+def test_the_lockstep_keeps_a_step_where_the_htp_picks_the_float_models_token(artifact, tokenizer):
+    """The lockstep's float lane: the CPU simulation and the HTP are two roundings of one quantized
+    model, so a step where the HTP leaves the CPU's token for the float model's own is kept. Run on the
+    CPU with the float graphs standing in for an HTP that rounds exactly like the float model: every
+    step is then kept, while the CPU's own token differs on some (W4A8 on a random tiny model)."""
+    from toolchain.qnn.lockstep import lockstep_greedy
+    from toolchain.quantize.schema import QuantizeSpec
+    from toolchain.quantize.stage import quantize_artifact
+    from toolchain.runtime.sessions import ArtifactSessions
+
+    quantize_artifact(artifact, QuantizeSpec(weights="int4", granularity="block", block_size=16, activations="int8",
+                                             calibration={"samples": 2}), tokenizer)
+    quantized, floats = ArtifactSessions(artifact / "quantized"), ArtifactSessions(artifact)
+    ids = tokenizer("def fibonacci(n):\n").input_ids
+    r = lockstep_greedy(quantized, floats, ids, 16, reference=floats)
+    assert r["argmax_agreement"] < 1  # else the float lane decides nothing here
+    assert r["argmax_vs_float"] == {"cpu": r["argmax_agreement"], "htp": 1.0} and r["argmax_kept"] == 1.0
+    assert r["flips"] and all(f["htp_is_float"] for f in r["flips"])
+    # without the float lane only the CPU's token counts
+    plain = lockstep_greedy(quantized, floats, ids, 16)
+    assert plain["argmax_kept"] == plain["argmax_agreement"] == r["argmax_agreement"]
+    assert "argmax_vs_float" not in plain
+    # an "HTP" that rounds like the CPU picks the float token exactly where the CPU does
+    same = lockstep_greedy(quantized, ArtifactSessions(artifact / "quantized"), ids, 16, reference=floats)
+    assert same["argmax_agreement"] == 1.0 and same["argmax_vs_float"]["htp"] == same["argmax_vs_float"]["cpu"]
 
 
 @pytest.mark.qnn
@@ -135,7 +165,7 @@ def test_a_quantized_recipes_qnn_section_builds_its_quantized_graphs(tiny_src, t
     assert all(r["status"] == "verified" and r["fp16"] is False for r in q["graphs"])
     assert all(r["verify"]["calls"] == 2 for r in q["graphs"])  # past 0, and a call with a cache behind it
     assert all(set(r["verify"]["argmax_vs_float"]["logits"]) == {"cpu", "htp"} for r in q["graphs"])
-    assert q["lockstep"]["tokens"] == 4
+    assert q["lockstep"]["tokens"] == 4 and set(q["lockstep"]["argmax_vs_float"]) == {"cpu", "htp"}
     qm = Manifest.load(result.out_dir / "quantized")
     assert qm.qnn_lockstep["tokens"] == 4 and len(qm.qnn) == 2
     # `mobc eval qnn` afterwards checks the compile's binaries as they are: rebuilt in place they
