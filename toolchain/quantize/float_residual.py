@@ -41,6 +41,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from toolchain.quantize.graph_index import GraphIndex
 from toolchain.quantize.htp_precise import encoding_range
 
 NORM_OPS = {"SimplifiedLayerNormalization"}
@@ -52,17 +53,8 @@ LAYER_INDEX = re.compile(r"\d+")
 UINT8_ZERO = numpy_helper.from_array(np.zeros((), np.uint8))  # a QuantizeLinear without a zero point
 
 
-class _Index:
-    def __init__(self, model: onnx.ModelProto):
-        g = model.graph
-        self.model = model
-        self.inits = {i.name: i for i in g.initializer}
-        self.producer = {o: n for n in g.node for o in n.output}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for n in g.node:
-            for i in n.input:
-                self.consumers.setdefault(i, []).append(n)
-        self.outputs = {o.name for o in g.output}
+class _Index(GraphIndex):
+    """GraphIndex plus the QDQ-aware lookups float_residual needs."""
 
     def source(self, tensor: str) -> str:
         """The float tensor behind a DequantizeLinear(QuantizeLinear(t)) pair, else the tensor itself."""

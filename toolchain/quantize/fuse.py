@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from toolchain.quantize.graph_index import GraphIndex
+
 
 def _const(model_inits: dict[str, onnx.TensorProto], consts: dict[str, np.ndarray], name: str) -> np.ndarray | None:
     if name in consts:
@@ -28,14 +30,10 @@ def _const(model_inits: dict[str, onnx.TensorProto], consts: dict[str, np.ndarra
 
 def fuse_rmsnorm(model: onnx.ModelProto) -> int:
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
     consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in g.node
               if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    index = GraphIndex(model)
+    inits, producer, consumers = index.inits, index.producer, index.consumers
 
     def only(name: str, op: str) -> onnx.NodeProto | None:
         users = consumers.get(name, [])

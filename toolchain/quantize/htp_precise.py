@@ -36,22 +36,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from toolchain.quantize.graph_index import GraphIndex
 from toolchain.quantize.lpbq import activation_bits
 
 PRODUCT_BUDGET = 1 << 22  # elements of a Mul+ReduceSum intermediate (decode attention: ~3e5); beyond: split
 
 
-class _Graph:
+class _Graph(GraphIndex):
     """The indexes a rewrite needs, and the new nodes it queues in place of old ones."""
 
     def __init__(self, model: onnx.ModelProto):
-        self.model = model
-        self.inits = {i.name: i for i in model.graph.initializer}
-        self.producer = {o: n for n in model.graph.node for o in n.output}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for n in model.graph.node:
-            for i in n.input:
-                self.consumers.setdefault(i, []).append(n)
+        super().__init__(model)
         self.shapes = _static_shapes(model)
         self.replaced: dict[int, list[onnx.NodeProto]] = {}
 
