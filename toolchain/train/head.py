@@ -33,7 +33,7 @@ from toolchain.bench.prompts import ChatPrompt, encode
 from toolchain.train import corpus, onpolicy
 from toolchain.train.draft import DraftTrainError, target_continuations, teacher_states, token_windows
 from toolchain.train.head_model import DraftHead, save_head
-from toolchain.train.loop import timed_adamw_loop
+from toolchain.train.loop import cosine_by_time, timed_adamw_loop
 
 HEAD_FILE = "head.safetensors"
 REPORT_FILE = "head_report.json"
@@ -49,6 +49,7 @@ class HeadConfig:
     seq_len: int = 256
     batch: int = 4
     lr: float = 1e-3
+    lr_floor: float = 0.1  # cosine decay over the training's time share down to lr_floor * lr (1.0: constant)
     feature_weight: float = 1.0  # smooth-L1 feature loss beside the KL
     unroll: int = 2
     corpus_tokens: int = 262_144  # most stdlib tokens; the teacher pass stops at its time share first
@@ -187,7 +188,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
         raise DraftTrainError(f"--minutes {cfg.minutes}: the target's continuations and teacher pass used "
                               f"{time.perf_counter() - t0:.0f} s; give the training at least a few minutes more")
     res = timed_adamw_loop(head, head.trainable(), step_loss, lr=cfg.lr, seconds=left, log=log, label="loss",
-                           every=20)
+                           every=20, lr_at=cosine_by_time(cfg.lr, left, floor=cfg.lr_floor))
     head.eval()
     accepts = {"held_out": chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)}
     for key, st in held_states.items():  # a set is absent when none of its prompts fits the window

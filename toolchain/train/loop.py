@@ -29,6 +29,26 @@ class LoopResult:
         return float(np.mean(self.losses[-n:])) if self.losses else None
 
 
+def cosine_by_time(lr: float, seconds: float, warmup: float = 0.03, floor: float = 0.1,
+                   clock: Callable[[], float] = time.perf_counter) -> Callable[[int], float]:
+    """An `lr_at` for a wall-clock budget: linear warmup over the first `warmup` share of `seconds`,
+    then a cosine from `lr` down to `floor * lr` at the end of the budget. The clock starts at the
+    first call (the loop's first step), so time spent before the loop does not shorten the schedule."""
+    start: list[float] = []
+
+    def lr_at(step: int) -> float:
+        now = clock()
+        if not start:
+            start.append(now)
+        frac = min(1.0, (now - start[0]) / seconds) if seconds > 0 else 1.0
+        if frac < warmup:
+            return lr * max(frac / warmup, 1.0 / 64)
+        cos = 0.5 * (1.0 + np.cos(np.pi * (frac - warmup) / (1.0 - warmup)))
+        return lr * (floor + (1.0 - floor) * cos)
+
+    return lr_at
+
+
 def timed_adamw_loop(
     module: torch.nn.Module,
     params: Sequence[torch.nn.Parameter],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from toolchain.train.loop import timed_adamw_loop
+from toolchain.train.loop import cosine_by_time, timed_adamw_loop
 
 
 def _problem(seed: int = 0):
@@ -61,3 +61,16 @@ def test_no_step_when_no_time():
         net, list(net.parameters()), lambda: net(x).sum(), lr=0.1, seconds=0.0, log=print, label="x", every=1
     )
     assert res.steps == 0 and res.first() is None and res.last() is None and not net.training
+
+
+def test_cosine_by_time_warms_up_peaks_and_decays_to_the_floor_on_the_clock():
+    now = [100.0]  # the clock starts at the first call, not at construction
+    lr_at = cosine_by_time(1.0, seconds=100.0, warmup=0.1, floor=0.2, clock=lambda: now[0])
+    seen = {}
+    for t in [0, 5, 10, 55, 100, 150]:
+        now[0] = 100.0 + t
+        seen[t] = lr_at(0)
+    assert seen[0] == 1.0 / 64  # never a zero step
+    assert abs(seen[5] - 0.5) < 1e-9 and abs(seen[10] - 1.0) < 1e-9
+    assert abs(seen[55] - 0.6) < 1e-9  # halfway through the cosine: midway between 1 and the floor
+    assert abs(seen[100] - 0.2) < 1e-9 and abs(seen[150] - 0.2) < 1e-9
