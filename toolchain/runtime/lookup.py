@@ -53,17 +53,23 @@ def propose(tokens: Sequence[int] | np.ndarray, min_match: int = 2, max_match: i
 
 def blend(logits: np.ndarray, proposal: Proposal | None, p: float) -> np.ndarray:
     """Logits of (1-p) * softmax(logits) + p * onehot(proposal): the draft's distribution with the
-    lookup token given probability mass p (unchanged when there is no proposal)."""
+    lookup token given probability mass p (unchanged when there is no proposal).
+
+    Every other token's log-probability is its own shifted by log(1-p), so only the proposal's
+    entry needs the mixture; one float32 pass over the row (float64 sum), not a float64 exp and log
+    of every entry (that cost 2.5 ms per 49k-token row, more than the draft head's call)."""
     if proposal is None:
         return logits
-    z = logits.astype(np.float64) - logits.max()
-    q = np.exp(z)
-    q /= q.sum()
-    q *= 1.0 - p
-    q[proposal.token] += p
-    with np.errstate(divide="ignore"):  # where exp underflowed, log q is z + log(1-p) exactly
-        out = np.where(q > 0, np.log(q), z + np.log1p(-p) if p < 1 else z - 50.0)
-    return out.astype(np.float32)
+    z = np.asarray(logits, np.float32) - np.max(logits)
+    lse = float(np.log(np.exp(z).sum(dtype=np.float64)))
+    own = float(z[proposal.token]) - lse  # the proposal's log-probability under the draft alone
+    if p < 1:
+        out = z + np.float32(np.log1p(-p) - lse)
+        out[proposal.token] = np.logaddexp(np.log1p(-p) + own, np.log(p))
+    else:  # all mass on the proposal; the rest stays ordered, far below it
+        out = z - np.float32(lse + 50.0)
+        out[proposal.token] = 0.0
+    return out
 
 
 # The probability a lookup proposal gets in the draft's distribution, by match length. Measured on

@@ -36,3 +36,13 @@ def test_blend_is_the_mixture_it_claims():
     assert np.isfinite(out).all() and int(np.argmax(out)) == 3
     assert blend(logits, None, p) is logits
     assert confidence(2) < confidence(3) < confidence(4) < confidence(9) <= 0.9
+
+
+def test_blend_on_a_masked_proposal_and_with_all_the_mass():
+    logits = np.array([2.0, 1.0, -1e4, 0.5], np.float32)
+    out = blend(logits, Proposal(2, 5), 0.9)  # the proposal is a token the draft cannot emit itself
+    got = np.exp(out.astype(np.float64))
+    np.testing.assert_allclose(got.sum(), 1.0, rtol=1e-6)  # log-probabilities, normalized
+    np.testing.assert_allclose(got[2], 0.9, rtol=1e-6)
+    top = blend(logits, Proposal(3, 5), 1.0)
+    assert int(np.argmax(top)) == 3 and top[3] == 0.0 and list(np.argsort(top[:3])) == [2, 1, 0]

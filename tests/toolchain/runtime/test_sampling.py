@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from toolchain.runtime.policies.sampling import Sampler, accept_chain
+from toolchain.runtime.policies.sampling import Sampler, accept_chain, softmax, top_probability
 
 # chi-square critical value for 5 degrees of freedom at p = 0.001 (tables; no scipy needed)
 CHI2_5DOF_P001 = 20.515
@@ -47,3 +47,15 @@ def test_greedy_acceptance_is_longest_matching_prefix():
     assert accept_chain(logits, [1, 2, 3], [None] * 3, s) == (3, 4)
     assert accept_chain(logits, [1, 0, 3], [None] * 3, s) == (1, 2)
     assert accept_chain(logits, [0, 2, 3], [None] * 3, s) == (0, 1)
+
+
+def test_softmax_and_top_probability_agree_with_float64_on_a_masked_row():
+    rng = np.random.default_rng(1)
+    logits = np.full(49152, -1e4, np.float32)  # a draft head's row: most tokens outside its vocabulary
+    logits[rng.choice(49152, 8192, replace=False)] = rng.normal(size=8192).astype(np.float32) * 4
+    ref = np.exp(logits.astype(np.float64) - logits.max())
+    ref /= ref.sum()
+    got = softmax(logits)
+    assert got.dtype == np.float64 and abs(got.sum() - 1) < 1e-9
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-12)
+    assert abs(top_probability(logits) - ref.max()) < 1e-6

@@ -23,7 +23,7 @@ import numpy as np
 from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy
-from toolchain.runtime.policies.sampling import Sampler, accept_chain, softmax
+from toolchain.runtime.policies.sampling import Sampler, accept_chain, top_probability
 
 
 class Chain(Policy):
@@ -81,7 +81,7 @@ class Chain(Policy):
                     q = sampler.probs(logits) if not sampler.greedy else None
                     drafts.append(int(np.argmax(logits)) if q is None else sampler.sample(q))
                     qs.append(q)
-                    confident = (softmax(logits) if q is None else q)[drafts[-1]] >= self.extend_at
+                    confident = (top_probability(logits) if q is None else q[drafts[-1]]) >= self.extend_at
                     feed = [drafts[-1]]
                 v_logits = target.forward([pending, *drafts])
                 k, nxt = accept_chain(v_logits, drafts, qs, sampler)
