@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from toolchain.runtime.policies.sampling import log_partition
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -56,12 +58,11 @@ def blend(logits: np.ndarray, proposal: Proposal | None, p: float) -> np.ndarray
     lookup token given probability mass p (unchanged when there is no proposal).
 
     Every other token's log-probability is its own shifted by log(1-p), so only the proposal's
-    entry needs the mixture; one float32 pass over the row (float64 sum), not a float64 exp and log
-    of every entry (that cost 2.5 ms per 49k-token row, more than the draft head's call)."""
+    entry needs the mixture: one `log_partition` of the row, not a float64 exp and log of every
+    entry (that cost 2.5 ms per 49k-token row, more than the draft head's call)."""
     if proposal is None:
         return logits
-    z = np.asarray(logits, np.float32) - np.max(logits)
-    lse = float(np.log(np.exp(z).sum(dtype=np.float64)))
+    z, lse = log_partition(logits)
     own = float(z[proposal.token]) - lse  # the proposal's log-probability under the draft alone
     if p < 1:
         out = z + np.float32(np.log1p(-p) - lse)
