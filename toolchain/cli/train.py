@@ -35,13 +35,17 @@ def train_draft(
     kind: str = typer.Option("layers", "--kind", help="layers: the target's first layers + a lens (an HF model); "
                              "head: a feature-level draft head (EAGLE-style, one layer over the target's features)"),
     seed: int = typer.Option(0, "--seed", help="head: the seed the shipped head was trained with"),
+    app_share: float | None = typer.Option(None, "--app-share", help="head: share of the budget spent generating the "
+                                           "target's answers to app prompts (on-policy data; default 0.2)"),
+    self_chat: int | None = typer.Option(None, "--self-chat", help="head: most chat requests the target writes "
+                                         "itself and answers (default 192)"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""
     from toolchain.compile.recipe import load_recipe
 
     if kind == "head":
-        _train_head(recipe, out, minutes, seed)
+        _train_head(recipe, out, minutes, seed, app_share, self_chat)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -67,10 +71,17 @@ def train_draft(
         console.print(f"wrote {recipe_out}; compile it with mobc compile {recipe_out}")
 
 
-def _train_head(recipe: Path, out: Path, minutes: float | None, seed: int) -> None:
+def _train_head(recipe: Path, out: Path, minutes: float | None, seed: int, app_share: float | None,
+                self_chat: int | None) -> None:
     from toolchain.train.head import HEAD_FILE, HELD_OUT_SETS, HeadConfig, train_head
 
-    cfg = HeadConfig(seed=seed) if minutes is None else HeadConfig(seed=seed, minutes=minutes)
+    given = {"minutes": minutes, "app_share": app_share, "self_chat": self_chat}
+    cfg = HeadConfig(seed=seed, **{k: v for k, v in given.items() if v is not None})
+    if not 0.0 < cfg.app_share < 0.6:
+        raise MobcError(f"--app-share {cfg.app_share}: give a share of the budget between 0 and 0.6 (the teacher "
+                        "pass and the training need the rest)")
+    if cfg.self_chat < 0:
+        raise MobcError(f"--self-chat {cfg.self_chat}: give a count >= 0")
     report = train_head(recipe, out, cfg, log=log)
     console.print(f"[bold green]draft head[/] {out / HEAD_FILE}: {report['params_trained'] / 1e6:.1f}M trained params, "
                   f"draft vocabulary {report['draft_vocab']} (covers {report['vocab_coverage_held_out']:.3f} of the "
