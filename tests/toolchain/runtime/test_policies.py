@@ -23,7 +23,8 @@ PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n", "class A:\n    de
 def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("policies")
     target = write_recipe(root / "t.yaml", save_tiny(root / "t_hf", "llama", seed=0), name="target",
-                          graphs=GRAPHS + "  verify: {width: 6, context: 64, role: tree}\n")
+                          graphs=GRAPHS + "  verify: {width: 6, context: 64, role: tree}\n"
+                                          "  verify3: {width: 3, context: 64, role: tree}\n")
     draft = write_recipe(root / "d.yaml", save_tiny(root / "d_hf", "llama", seed=1), name="draft", graphs=GRAPHS)
     return compile_recipe(target).out_dir, compile_recipe(draft).out_dir
 
@@ -61,16 +62,22 @@ def test_greedy_chain_equals_ar(artifacts, draft_kind):
 
 
 def test_a_confident_draft_fills_the_verify_graphs_free_rows(artifacts):
-    """Past gamma, chain keeps drafting while the draft is confident, up to the verify graph's width
-    (6 here: 5 drafts); the target drafting for itself is always right, so every such round accepts 5."""
+    """Past gamma, chain keeps drafting while the draft is confident, up to the widest verify graph of
+    at most 8 rows (6 here: 5 drafts), though gamma + 1 = 3 rows have a graph of their own; the target
+    drafting for itself is always right, so every such round accepts 5. A round of gamma drafts runs
+    on the 3-wide graph."""
     target_dir, _ = artifacts
     target, draft = StepModel(target_dir), StepModel(target_dir)
     ids = tiny_tokenizer()(PROMPTS[0]).input_ids
     ref = run(make_policy("ar", target), ids, 30)
-    for extend_at, per_round in ((0.0, 5), (1.01, 2)):  # always confident / never
+    for extend_at, per_round, family in ((0.0, 5, "verify"), (1.01, 2, "verify3")):  # always confident / never
+        target.reset()
         chain = make_policy("chain", target, draft, gamma=2, extend_at=extend_at)
         assert run(chain, ids, 30) == ref
         assert chain.stats.accepted[:4] == [per_round] * 4, (extend_at, chain.stats.accepted)
+        assert target.calls[family] >= 4, target.calls
+        if family == "verify3":
+            assert target.calls["verify"] == 0, target.calls
 
 
 def test_chain_with_a_near_draft_accepts_partly_rolls_back_and_stays_lossless(artifacts, near_draft):

@@ -5,9 +5,11 @@ which the target has not seen yet. A round drafts up to gamma tokens with the dr
 (one width-1 call each), then runs the target once on [pending, d1..dg] through its narrowest
 graph of width >= gamma+1 (causal mask; padding rows are masked off by the cache manager).
 A round drafts past gamma while the draft is confident (its drafted token's probability >=
-`extend_at`) and the verify graph has rows to spare: the call costs the same for any row count up
-to its compiled width, so a confident draft fills the free rows (a long context-lookup match,
-+lookup, is the typical case).
+`extend_at`), up to the rows of the widest verify graph of at most `extend_rows` (8) rows: a
+confident draft is usually accepted (a long context-lookup match, +lookup, is the typical case),
+and each accepted token saves a whole target step, more than a wider verify call costs. The call
+itself runs on the narrowest graph that holds its rows (on a CPU a call's cost grows with its
+rows, so a recipe may compile a gamma+1-wide graph beside a wider one).
 Row i of that call predicts the token after d_i, so accepting k drafts emits k+1 tokens
 (the k drafts and the target's correction or bonus) for one target call; the target
 commits the rows of pending and the k accepted drafts, and the draft cache is rolled back to
@@ -30,7 +32,7 @@ class Chain(Policy):
     name = "chain"
 
     def __init__(self, target: StepModel, draft: StepModel | None = None, gamma: int = 4,
-                 extend_at: float = 0.8):
+                 extend_at: float = 0.8, extend_rows: int = 8):
         if draft is None:
             raise MobcError("policy chain needs a draft model: pass --draft <artifact folder>")
         if draft.vocab != target.vocab:
@@ -44,7 +46,8 @@ class Chain(Policy):
         self.gamma = gamma
         self.extend_at = extend_at
         fam = target.family_for(gamma + 1)  # fail early, with the fix, when no verify graph is wide enough
-        self.max_drafts = target.widths[fam] - 1  # rows of that graph: drafting up to them costs no more
+        rows = max((w for w in target.widths.values() if gamma + 1 <= w <= extend_rows), default=target.widths[fam])
+        self.max_drafts = rows - 1  # confident drafts past gamma fill up to these rows
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
         assert self.draft is not None
