@@ -39,7 +39,7 @@ def test_smollm2_recipe_compiles_and_verifies(result):
 
 
 def test_chain_and_lever_on_the_real_model_equal_ar(result):
-    """The real artifact's verify (width 8) and tree (width 32) graphs in speculative decoding, the
+    """The real artifact's verify (widths 5 and 8) and tree (width 32) graphs in speculative decoding, the
     target drafting for itself (drafts accepted, so rounds commit several rows of the real cache at
     once): greedy output equals ar's on real prompts. Measured 23 s on the compiled artifact (2 busy
     cores); a truncated, undistilled SmolLM2 draft agrees with the target on 0% of tokens, so it
