@@ -12,6 +12,23 @@ TARGET_GRAPHS = "  decode: {width: 1, context: 64}\n  prefill: {width: 8, contex
 HEAD_GRAPHS = "  decode: {width: 1, context: 64}\n  prefill: {width: 8, context: 64}\n"
 
 
+def target_hidden(target_dir: Path, tokens: list[int]):
+    """The target's `hidden` (the features a head reads) at each position of `tokens`, one decode call
+    at a time: the reference for what a policy's commits must have told the head."""
+    import numpy as np
+
+    from toolchain.runtime.model import StepModel
+
+    ref = StepModel(target_dir)
+    ref.reset()
+    rows = []
+    for t in tokens:
+        ref.forward([t], family=ref.decode_family)
+        rows.append(ref._last[1]["hidden"][0, 0].copy())
+        ref.commit([0])
+    return np.stack(rows)
+
+
 def head_weights(hf_dir: Path, out: Path, seed: int = 0) -> Path:
     """An untrained head (the target's last layer, random fc) over half the vocabulary."""
     from transformers import AutoModelForCausalLM

@@ -163,10 +163,15 @@ class StepModel:
         if self._last is None:
             raise RuntimeError("commit without a preceding forward call")
         _, outs, first_row = self._last
-        rows = [first_row + i for i in accepted]
+        self.commit_rows(outs, [first_row + i for i in accepted])
+
+    def commit_rows(self, outs: dict[str, np.ndarray], rows: Sequence[int]) -> None:
+        """Keep these rows of a call's outputs (run by this model, e.g. a tree verify's stages) and
+        tell the listeners: every commit of the target goes through here, or a draft head reading
+        the target's features would draft from stale ones."""
         slot = self.cache.length
         for listener in self.commit_listeners:  # before the length moves: a concurrent drafter (ahasd)
-            listener(outs, rows, slot)  # that sees the new length must also see the rows' features
+            listener(outs, list(rows), slot)  # that sees the new length must also see the rows' features
         self.cache.commit(outs, rows)
 
     def truncate(self, length: int) -> None:

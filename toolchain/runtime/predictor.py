@@ -226,7 +226,9 @@ class PrunedVerifier(TreeVerifier):
                 name = f"new_{kind}_{i}"
                 src, idx = (outs1, acc.path) if name in outs1 else (outs0, [order[p] for p in acc.path])
                 rows[name] = np.take(src[name], idx, axis=-1 if kind == "key" else 2)
-        m.cache.commit(rows, range(len(acc.path)))
+        if "hidden" in outs1:  # the features a draft head reads
+            rows["hidden"] = np.take(outs1["hidden"], acc.path, axis=1)
+        m.commit_rows(rows, range(len(acc.path)))
         acc.path = [order[p] for p in acc.path]
         rows_logits = m.widths[fam2] if "logits" in outs1 else len(done)
         return VerifyResult(acc, width, width, rows_logits, pruned_width=m.widths[fam2],

@@ -213,5 +213,5 @@ class TreeVerifier:
             outs = run_stages(m, body, feeds, key=f"body:{fam}")
         row, done = self._row_fn(outs)
         acc = accept(tree, row, sampler)
-        m.cache.commit(outs, acc.path)
+        m.commit_rows(outs, acc.path)
         return VerifyResult(acc, width, width, len(done) if "logits" not in outs else width)

@@ -74,7 +74,7 @@ class RecordingVerifier(TreeVerifier):
             self.y.append(y)
             self.bb.append(np.array([i in bb for i in range(1, len(tree))]))
         acc = accept(tree, lambda i: outs["logits"][0, i], sampler)
-        m.cache.commit(outs, acc.path)
+        m.commit_rows(outs, acc.path)  # a draft head reads the target's features of these rows
         return VerifyResult(acc, width, width, width)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import tiny_tokenizer
+from tests.toolchain.head_fixtures import target_hidden
 from tests.toolchain.runtime.speculative import second_token_check
 from tests.toolchain.runtime.test_sampling import CHI2_5DOF_P001
 from toolchain.runtime.model import StepModel
@@ -176,11 +177,19 @@ def test_pruned_lever_is_lossless_and_uses_narrower_tails(tree_artifacts, tmp_pa
     prices = (FixedPrices(1.0), FixedPrices(0.01))
     lever = Lever(target, draft, LeverConfig(top_k=3), prices=prices, verifier=verifier)
     ar = make_policy("ar", target)
+    heard = np.zeros((target.context, target.manifest.model.hidden), np.float32)  # what a draft head reads
+
+    def listen(outs, rows, slot):
+        heard[slot : slot + len(rows)] = outs["hidden"][0, rows]
+
+    target.commit_listeners.append(listen)
     keys: set[str] = set()
     for prompt in PROMPTS:
         ids = tiny_tokenizer()(prompt).input_ids
         out = run(lever, ids, 24)
         keys |= set(lever.stats.target_calls)
+        n = target.length
+        np.testing.assert_allclose(heard[:n], target_hidden(target_dir, (ids + out)[:n]), atol=1e-4)
         assert out == run(ar, ids, 24), prompt
     s = verifier.counts
     assert s.pruned_calls > 0 and s.kept < s.nodes and s.tail_rows_saved > 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import tiny_tokenizer
-from tests.toolchain.head_fixtures import compile_target, tiny_head_world
+from tests.toolchain.head_fixtures import compile_target, target_hidden, tiny_head_world
 from toolchain.errors import ArtifactError
 from toolchain.runtime.head_draft import HeadDraft
 from toolchain.runtime.model import StepModel
@@ -57,15 +57,7 @@ def test_features_are_the_targets_residual_at_the_previous_position(world):
     draft = HeadDraft(StepModel(head_dir), target)
     ids = tiny_tokenizer()(PROMPTS[0]).input_ids
     target.prefill(ids)
-    # the target's `hidden` for each prompt position, one decode call at a time
-    ref = StepModel(target_dir)
-    ref.reset()
-    rows = []
-    for t in ids:
-        ref.forward([t], family="decode")
-        rows.append(ref._last[1]["hidden"][0, 0].copy())
-        ref.commit([0])
-    np.testing.assert_allclose(draft.target_features[: len(ids)], np.stack(rows), atol=1e-4)
+    np.testing.assert_allclose(draft.target_features[: len(ids)], target_hidden(target_dir, ids), atol=1e-4)
     assert np.all(draft._feature(0, target.length) == 0)
     np.testing.assert_array_equal(draft._feature(3, target.length), draft.target_features[2])
 
@@ -114,6 +106,22 @@ def test_lever_drafts_trees_with_a_head_and_generates_ars_tokens(world):
         assert generate(lever, ids) == want, prompt
         calls += sum(lever.stats.draft_calls.values())
     assert calls > 0  # the head really drafted
+
+
+def test_lever_tells_the_head_the_features_of_every_token_its_tree_verify_commits(world):
+    """A tree verify commits the target's rows itself; the head must hear of them like of a chain
+    commit, or it drafts every token past the prompt from stale features."""
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    lever = make_policy("lever", target, draft)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    draft.target_features[:] = 0
+    out = generate(lever, ids)
+    committed = (ids + out)[: target.length]
+    assert target.length > len(ids) + 8  # tree verifies committed the tokens past the prompt
+    np.testing.assert_allclose(draft.target_features[: target.length], target_hidden(target_dir, committed),
+                               atol=1e-4)
 
 
 def test_a_tree_node_reads_its_parents_hidden_like_a_chain_draft(world):
