@@ -190,7 +190,7 @@ class PrunedVerifier(TreeVerifier):
             return super().verify(tree, sampler)
         cut = self.cut[fam]
         chain = m.sessions.chain(fam)
-        feeds = m.cache.step_inputs(tree.tokens, width, tree.ancestor_mask(), tree.depths)
+        feeds = m.call_inputs(tree.tokens, width, tree.ancestor_mask(), tree.depths)
         outs0 = run_stages(m, [s for s in chain if s.stage < cut], feeds, key=f"head:{fam}:{cut}")
         res_name = f"residual_{self.spec.layer}"
         residual = outs0[res_name][0]
@@ -206,7 +206,7 @@ class PrunedVerifier(TreeVerifier):
             sub, order = tree.subtree(keep)
             fam2 = self.widths[w2]
             cut2 = self.cut[fam2]
-            feeds2 = m.cache.step_inputs(sub.tokens, w2, sub.ancestor_mask(), sub.depths)
+            feeds2 = m.call_inputs(sub.tokens, w2, sub.ancestor_mask(), sub.depths)
             r = np.zeros((1, w2, residual.shape[-1]), np.float32)
             r[0, : len(order)] = residual[order]
             feeds2[res_name] = r

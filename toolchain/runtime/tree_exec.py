@@ -206,7 +206,7 @@ class TreeVerifier:
         fam = self.family(len(tree))
         width = m.widths[fam]
         body, head = self.body_and_head(fam)
-        feeds = m.cache.step_inputs(tree.tokens, width, tree.ancestor_mask(), tree.depths)
+        feeds = m.call_inputs(tree.tokens, width, tree.ancestor_mask(), tree.depths)
         if self.modes.get(width, self.logits) == "full" or head is None:
             outs = run_stages(m, body + ([head] if head else []), feeds, key=fam)  # = one family call
         else:
