@@ -56,6 +56,7 @@ class HeadDraft:
         self.tokens: list[int] = []  # token of each committed head slot
         self.guessed_from = 0  # first committed slot whose row used one of the head's own features
         self._pending: list[np.ndarray] = []
+        self.heard = 0  # the target's length after the last commit the head heard of
         target.commit_listeners.append(self._on_target_commit)
         self._check_target()
 
@@ -70,6 +71,7 @@ class HeadDraft:
     # ---- features --------------------------------------------------------------------------
     def _on_target_commit(self, outs: dict[str, np.ndarray], rows: list[int], slot: int) -> None:
         self.target_features[slot : slot + len(rows)] = outs[HIDDEN][0, rows]
+        self.heard = slot + len(rows)  # commits append at the target's length
 
     def _feature(self, slot: int, committed: int) -> np.ndarray | None:
         """The feature row `slot` reads: position slot-1's (zeros for slot 0); `committed` is the
@@ -78,6 +80,9 @@ class HeadDraft:
         if prev < 0:
             return np.zeros(self.target_features.shape[1], np.float32)
         if prev < committed:
+            if prev >= self.heard:  # a stale row of an earlier text: drafting on it fails silently
+                raise RuntimeError(f"the target committed slot {prev} without telling its commit listeners; "
+                                   "commit the target's rows through StepModel.commit or commit_rows")
             return self.target_features[prev]
         return self._own.get(prev)
 

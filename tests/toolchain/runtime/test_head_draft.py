@@ -42,6 +42,7 @@ def test_chain_with_a_head_generates_ars_tokens_and_keeps_target_features(world)
         fresh = HeadDraft(StepModel(head_dir), target)
         fresh.reset()
         fresh.target_features[:] = draft.target_features  # it joined after the target's commits
+        fresh.heard = draft.heard
         fresh._run(text)
         for mine, ref in zip(draft.cache.keys + draft.cache.values, fresh.cache.keys + fresh.cache.values,
                              strict=True):
@@ -87,6 +88,7 @@ def test_rows_drafted_on_the_heads_own_features_are_redone_once_the_target_commi
     assert draft.guessed_from == draft.length  # nothing guessed is left
     fresh = HeadDraft(StepModel(head_dir), target)
     fresh.target_features[:] = draft.target_features
+    fresh.heard = draft.heard
     fresh.reset()
     fresh._run([*ids, pending, d1, d2])
     for mine, ref in zip(draft.cache.keys, fresh.cache.keys, strict=True):
@@ -124,6 +126,22 @@ def test_lever_tells_the_head_the_features_of_every_token_its_tree_verify_commit
                                atol=1e-4)
 
 
+def test_a_target_commit_the_head_never_heard_of_fails_loudly(world):
+    """Features of a slot committed behind the head's back are an earlier text's: drafting on them
+    would only lower acceptance, silently (as lever's tree verify once did)."""
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    pending = int(np.argmax(target.prefill(ids)))
+    draft.prefill(ids)
+    nxt = int(np.argmax(draft.feed([pending])))
+    target.forward([pending])
+    target.cache.commit(target._last[1], [0])  # not through StepModel.commit: no listener hears it
+    with pytest.raises(RuntimeError, match="commit listeners"):
+        draft.feed([nxt])
+
+
 def test_a_tree_node_reads_its_parents_hidden_like_a_chain_draft(world):
     """Expanding root -> a -> b in a tree gives the logits chain drafting gives for the same path."""
     from toolchain.runtime.head_draft import HeadDraftTree
@@ -132,8 +150,8 @@ def test_a_tree_node_reads_its_parents_hidden_like_a_chain_draft(world):
     _, target_dir, head_dir = world
     target = StepModel(target_dir)
     ids = tiny_tokenizer()(PROMPTS[0]).input_ids
-    pending = int(np.argmax(target.prefill(ids)))
     chain, tree_draft = HeadDraft(StepModel(head_dir), target), HeadDraft(StepModel(head_dir), target)
+    pending = int(np.argmax(target.prefill(ids)))  # both heads hear the prompt's features
     chain.prefill(ids)
     tree_draft.prefill(ids)
     a, b = 7, 11
@@ -166,8 +184,8 @@ def test_feeding_several_tokens_past_the_target_drafts_each_on_the_previous_rows
     _, target_dir, head_dir = world
     target = StepModel(target_dir)
     ids = tiny_tokenizer()(PROMPTS[0]).input_ids
-    target.prefill(ids)
     together, apart = HeadDraft(StepModel(head_dir), target), HeadDraft(StepModel(head_dir), target)
+    target.prefill(ids)  # both heads hear the prompt's features
     for d in (together, apart):
         d.prefill(ids)
     got = together.feed([5, 6, 7])
