@@ -66,7 +66,7 @@ class LeverBench:
         self.max_new, self.gamma, self.device = max_new_tokens, gamma, device
         self.target_dram, self.draft_dram = target_dram, draft_dram
         self.log = log
-        self.d_price = PhonePrices(draft, device, draft_dram)
+        self.d_price = PhonePrices(getattr(draft, "step_model", draft), device, draft_dram)  # a head: its graphs
         self.t_prices = {target_dram: PhonePrices(target, device, target_dram)}
         self.ref: list[list[int]] | None = None
         self.runs: dict[str, Run] = {}

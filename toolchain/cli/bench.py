@@ -153,6 +153,9 @@ def bench_lever(
         err.print(f"[yellow]no {target.folder / 'predictor.json'}: dropping lever+prune (run mobc train predictor)[/]")
         names = [n for n in names if "prune" not in n]
     ids = [x for x in prompt_ids(target.tokenizer, prompts, 0) if len(x) + max_new_tokens + 40 < target.context]
+    if not ids:
+        raise MobcError(f"no prompt of {prompts!r} leaves room for {max_new_tokens} new tokens in {target.name}'s "
+                        f"context of {target.context}: pass shorter prompts or a smaller --max-new-tokens")
     b = LeverBench(target, drafter, ids, max_new_tokens, gamma, device, target_dram, draft_dram,
                    log=log)
     main = b.table(["ar", *[n for n in names if n != "ar"]])
