@@ -21,6 +21,17 @@ def world(tmp_path_factory):
     return tiny_head_world(tmp_path_factory.mktemp("headrt"))
 
 
+def prefilled(world, prompt):
+    """(target, its head, the prompt's ids, the target's first new token) after both ran the prompt."""
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    ids = tiny_tokenizer()(prompt).input_ids
+    pending = int(np.argmax(target.prefill(ids)))
+    draft.prefill(ids)
+    return target, draft, ids, pending
+
+
 def generate(policy, ids, n=24):
     return [t for chunk in policy.generate(ids, n, Sampler()) for t in chunk]
 
@@ -73,12 +84,8 @@ def test_a_target_without_features_is_refused(world, tmp_path):
 def test_rows_drafted_on_the_heads_own_features_are_redone_once_the_target_commits_them(world):
     """A round whose drafts are all accepted: the head's rows of those drafts were computed from its
     own features; the next call redoes them from the target's, so its cache matches a fresh run."""
-    _, target_dir, head_dir = world
-    target = StepModel(target_dir)
-    draft = HeadDraft(StepModel(head_dir), target)
-    ids = tiny_tokenizer()(PROMPTS[1]).input_ids
-    pending = int(np.argmax(target.prefill(ids)))
-    draft.prefill(ids)
+    head_dir = world[2]
+    target, draft, ids, pending = prefilled(world, PROMPTS[1])
     d1 = int(np.argmax(draft.feed([pending])))  # pending's row: the target's feature of the last prompt token
     d2 = int(np.argmax(draft.feed([d1])))  # d1's row: the head's own feature of pending
     assert draft.guessed_from == len(ids) + 1
@@ -129,12 +136,7 @@ def test_lever_tells_the_head_the_features_of_every_token_its_tree_verify_commit
 def test_a_target_commit_the_head_never_heard_of_fails_loudly(world):
     """Features of a slot committed behind the head's back are an earlier text's: drafting on them
     would only lower acceptance, silently (as lever's tree verify once did)."""
-    _, target_dir, head_dir = world
-    target = StepModel(target_dir)
-    draft = HeadDraft(StepModel(head_dir), target)
-    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
-    pending = int(np.argmax(target.prefill(ids)))
-    draft.prefill(ids)
+    target, draft, _, pending = prefilled(world, PROMPTS[0])
     nxt = int(np.argmax(draft.feed([pending])))
     target.forward([pending])
     target.cache.commit(target._last[1], [0])  # not through StepModel.commit: no listener hears it
