@@ -83,12 +83,25 @@ class Lever(Policy):
         self.t_prices, self.d_prices = prices
         logits = "path" if cfg.logits == "auto" else cfg.logits
         self.verifier = verifier or TreeVerifier(target, logits=logits if self._can_split() else "full")
+        if isinstance(self.t_prices, CpuPrices):  # every price a decision compares, timed side by side
+            self.t_prices.measure(self._verify_keys())
+        if isinstance(self.d_prices, CpuPrices):
+            self.d_prices.measure(list(draft.widths))
         self.mean_emitted = 2.0  # running mean of tokens per cycle (prices path-only logits)
         self.builder = TreeBuilder(self._verify_costs(), self._draft_costs(), cfg.top_k, cfg.max_depth,
                                    Calibrator(top_k=cfg.top_k), cfg.batch, cfg.max_nodes)
 
     def _can_split(self) -> bool:
         return any(s.role == "lm_head" for s in self.target.sessions.chain(self.target.decode_family))
+
+    def _verify_keys(self) -> list[str]:
+        """The price keys `_verify_costs` reads: each verify family, and its body and row head when split."""
+        v, keys = self.verifier, []
+        for fam in v.widths.values():
+            keys.append(fam)
+            if v.body_and_head(fam)[1] is not None and v.row_head is not None:
+                keys += [f"body:{fam}", f"stage:{v.row_head.name}"]
+        return keys
 
     def _verify_costs(self) -> StepCost:
         """V(W) per compiled width; with path-only logits, the body plus the expected head rows."""
