@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from toolchain.bench.decode import step_model
 from toolchain.cost.prices import PhonePrices
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
@@ -66,7 +67,7 @@ class LeverBench:
         self.max_new, self.gamma, self.device = max_new_tokens, gamma, device
         self.target_dram, self.draft_dram = target_dram, draft_dram
         self.log = log
-        self.d_price = PhonePrices(getattr(draft, "step_model", draft), device, draft_dram)  # a head: its graphs
+        self.d_price = PhonePrices(step_model(draft), device, draft_dram)  # a head: the graphs inside its adapter
         self.t_prices = {target_dram: PhonePrices(target, device, target_dram)}
         self.ref: list[list[int]] | None = None
         self.runs: dict[str, Run] = {}
