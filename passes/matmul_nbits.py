@@ -25,6 +25,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from passes import activation_split
+from passes.activation_split import blocked_view
 from passes.base import GraphPass, PassConfig
 from passes.registry import register
 from toolchain.ir.block_grid import GridFit, fit_block_grid
@@ -86,23 +88,29 @@ def _nbits_node(graph: ir.Graph, before: ir.Node, inputs: list[ir.Value], name: 
     return node
 
 
-def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int, level: int) -> None:
+def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int, level: int,
+             split_rows: int, split_min_weights: int) -> None:
     x, out = node.inputs[0], node.outputs[0]
     c, o = fit.codes.shape
     base = scope(node)
     b = add_initializer(graph, f"{base}.nbits_weight", pack_codes(fit.codes, bits, block))
     s = add_initializer(graph, f"{base}.nbits_scales", np.ascontiguousarray(fit.scale.T).reshape(-1))
-    attrs = {"K": c, "N": o, "bits": bits, "block_size": block, "accuracy_level": level}
     full = shape_of(out)
-    y = _nbits_node(graph, node, [x, b, s], f"{base}/MatMulNBits", attrs, full).outputs[0]
+    lead = shape_of(x)[:-1]
+    rows = math.prod(lead)
+    split = level == 0 and 0 < rows <= split_rows and c * o >= split_min_weights
+    xr = blocked_view(graph, node, x, lead, c, block, base) if split or fit.offset is not None else None
+    attrs = {"K": c, "N": o, "bits": bits, "block_size": block, "accuracy_level": 4 if split else level}
+    if split:  # three int8-exact rows per row through the int8 kernel, then their outputs summed
+        parts = activation_split.split_rows(graph, node, xr, lead, c, f"{base}/split")
+        part_shape = lead[:-1] + [activation_split.PARTS * lead[-1], o]
+        y = _nbits_node(graph, node, [parts, b, s], f"{base}/MatMulNBits", attrs, part_shape).outputs[0]
+        y = activation_split.sum_parts(graph, node, y, lead, o, f"{base}/split")
+    else:
+        y = _nbits_node(graph, node, [x, b, s], f"{base}/MatMulNBits", attrs, full).outputs[0]
     if fit.offset is not None:
-        lead = shape_of(x)[:-1]
-        blocks = add_initializer(graph, "shape." + "x".join(map(str, lead + [c // block, block])),
-                                 np.array(lead + [c // block, block], np.int64))
         axes = add_initializer(graph, "axes.last", np.array([-1], np.int64))
         cb = add_initializer(graph, f"{base}.block_offset", np.ascontiguousarray(fit.offset))
-        xr = new_node(graph, node, "Reshape", [x, blocks], f"{base}/blocks", None, lead + [c // block, block],
-                      x.dtype).outputs[0]
         sums = new_node(graph, node, "ReduceSum", [xr, axes], f"{base}/blocksum", {"keepdims": 0},
                         lead + [c // block], x.dtype).outputs[0]
         off = new_node(graph, node, "MatMul", [sums, cb], f"{base}/block_offset", None, full, x.dtype).outputs[0]
@@ -122,6 +130,13 @@ class MatMulNBits(GraphPass):
         # 3.4x at level 4), so off by default
         int8: bool = False
         accuracy_level: int = 0  # 0: float32 compute (exact); 4: int8 activations in the kernel
+        # at level 0, calls of at most this many rows (a decode graph's 1) run the int8 kernel on
+        # their activations split into three int8-exact parts (passes/activation_split.py):
+        # float32's precision at the int8 kernel's speed; wider calls do not gain. 0: off
+        split_rows: int = 0
+        # only projections with at least this many weights (C x O) split: the split's ~19 small ops
+        # cost about the same at any size, the kernel time they save grows with the weight
+        split_min_weights: int = 0
 
     def rewrite(self, model: ir.Model) -> bool:
         cfg = self.config
@@ -131,7 +146,8 @@ class MatMulNBits(GraphPass):
             fitted = _fit(found, cfg.block_size, cfg.int8) if found is not None else None
             if fitted is None:
                 continue
-            _convert(model.graph, node, fitted[0], fitted[1], cfg.block_size, cfg.accuracy_level)
+            _convert(model.graph, node, fitted[0], fitted[1], cfg.block_size, cfg.accuracy_level,
+                     cfg.split_rows, cfg.split_min_weights)
             changed = True
         if changed:
             model.opset_imports.setdefault(DOMAIN, 1)

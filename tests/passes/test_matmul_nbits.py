@@ -118,3 +118,52 @@ def test_checks_run_the_kernels_the_runtime_runs():
     _on_grids(gs)
     with pytest.raises(PassError, match="matmul_nbits"):
         run_passes(gs, ["fold_constants", {"matmul_nbits": {"accuracy_level": 4}}], 1e-4, feeds)
+
+
+def _level_and_rows(entry) -> list[tuple[int, int]]:
+    return [(n.attributes["accuracy_level"].value, int(n.inputs[0].shape[-2]))
+            for n in entry.model.graph if n.op_type == "MatMulNBits"]
+
+
+def test_split_rows_run_the_int8_kernel_at_float_precision():
+    """split_rows: a one-row graph's projections feed the int8 kernel (level 4) three int8-exact rows
+    per row and stay within float32 rounding of the float graph; a wider graph keeps level 0."""
+    gs, feeds = graphset_for("llama", (1, 4))
+    _on_grids(gs)
+    out, rows = run_passes(gs, ["fold_constants", {"matmul_nbits": {"split_rows": 1}}], 1e-4, feeds)
+    assert rows[-1]["worst"]["diff"] < 2e-5  # level 4 alone is ~1e-2 off on these graphs
+    by_width = {e.model.graph.inputs[0].shape[-1]: e for e in out.entries.values()}
+    assert set(_level_and_rows(by_width[1])) == {(4, 3)}  # int8 kernel, hi/mid/lo rows
+    assert {lv for lv, _ in _level_and_rows(by_width[4])} == {0}  # 4 rows: level 0's float path
+
+
+def test_split_parts_are_on_the_kernels_grid():
+    """hi and mid are exactly what the kernel's int8 quantization reproduces (scale = block max/127),
+    and hi + mid + lo is x: the kernel rounds nothing but the remainder."""
+    import onnxruntime as ort
+
+    from passes.activation_split import blocked_view, split_rows
+
+    rng = np.random.default_rng(1)
+    x_np = (rng.standard_normal((1, 2, 64)) * np.where(rng.random(64) < 0.05, 300, 1)).astype(np.float32)
+    x_np[0, 1, :32] = 0  # an all-zero block: no NaN
+    x = ir.Value(name="x", shape=ir.Shape([1, 2, 64]), type=ir.TensorType(ir.DataType.FLOAT))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 21}, name="g")
+    anchor = ir.Node("", "Identity", [x], name="anchor")
+    graph.append(anchor)
+    parts = split_rows(graph, anchor, blocked_view(graph, anchor, x, [1, 2], 64, 32, "t"), [1, 2], 64, "t")
+    graph.outputs.append(parts)
+    graph.remove(anchor, safe=True)
+    sess = ort.InferenceSession(ir.to_proto(ir.Model(graph, ir_version=10)).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"x": x_np})[0].reshape(3, 2, 2, 32)  # part, row, block, value
+    hi, mid, lo = got
+    total = hi.astype(np.float64) + mid + lo  # x, up to the float32 rounding of the two subtractions
+    np.testing.assert_allclose(total, x_np.reshape(2, 2, 32), rtol=2.5e-7, atol=1e-12)
+    assert np.isfinite(got).all()
+    for part in (hi, mid):
+        scale = np.abs(part).max(-1, keepdims=True) / 127
+        codes = np.divide(part, scale, out=np.zeros_like(part), where=scale > 0)
+        np.testing.assert_allclose(codes, np.round(codes), atol=1e-4)  # integer codes on the block's grid
+        assert np.abs(np.round(codes)).max() <= 127
+    assert np.abs(lo).max() <= np.abs(x_np).max() / 127 / 254 * 1.01
