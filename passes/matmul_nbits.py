@@ -13,6 +13,8 @@ Rewrite rules (blocks of `block_size` along the input axis):
   - weights on no grid stay float MatMuls (a random-weight model has none on a grid).
 `accuracy_level` is MatMulNBits' own: 0 computes in float32 (the float graph's semantics, the
 default), 4 quantizes activations to int8 inside the kernel (faster, no longer exact).
+`split_rows: R` runs graphs of at most R rows through the int8 kernel at float32 precision, their
+activations split into three int8-exact parts (passes/activation_split.py).
 Requires: MatMul weights (run it before linear_to_conv, or without it: this is the CPU form;
 check_htp refuses com.microsoft ops). Ensures: no MatMul with a constant 2-D weight on a grid the
 pass converts remains, and every MatMulNBits' packed codes match its K, N, bits and block size.
@@ -89,7 +91,7 @@ def _nbits_node(graph: ir.Graph, before: ir.Node, inputs: list[ir.Value], name: 
 
 
 def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int, level: int,
-             split_rows: int, split_min_weights: int) -> None:
+             split_rows: int) -> None:
     x, out = node.inputs[0], node.outputs[0]
     c, o = fit.codes.shape
     base = scope(node)
@@ -98,7 +100,7 @@ def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int
     full = shape_of(out)
     lead = shape_of(x)[:-1]
     rows = math.prod(lead)
-    split = level == 0 and 0 < rows <= split_rows and c * o >= split_min_weights
+    split = level == 0 and 0 < rows <= split_rows
     xr = blocked_view(graph, node, x, lead, c, block, base) if split or fit.offset is not None else None
     attrs = {"K": c, "N": o, "bits": bits, "block_size": block, "accuracy_level": 4 if split else level}
     if split:  # three int8-exact rows per row through the int8 kernel, then their outputs summed
@@ -134,9 +136,6 @@ class MatMulNBits(GraphPass):
         # their activations split into three int8-exact parts (passes/activation_split.py):
         # float32's precision at the int8 kernel's speed; wider calls do not gain. 0: off
         split_rows: int = 0
-        # only projections with at least this many weights (C x O) split: the split's ~19 small ops
-        # cost about the same at any size, the kernel time they save grows with the weight
-        split_min_weights: int = 0
 
     def rewrite(self, model: ir.Model) -> bool:
         cfg = self.config
@@ -147,7 +146,7 @@ class MatMulNBits(GraphPass):
             if fitted is None:
                 continue
             _convert(model.graph, node, fitted[0], fitted[1], cfg.block_size, cfg.accuracy_level,
-                     cfg.split_rows, cfg.split_min_weights)
+                     cfg.split_rows)
             changed = True
         if changed:
             model.opset_imports.setdefault(DOMAIN, 1)
