@@ -166,4 +166,14 @@ def test_split_parts_are_on_the_kernels_grid():
         codes = np.divide(part, scale, out=np.zeros_like(part), where=scale > 0)
         np.testing.assert_allclose(codes, np.round(codes), atol=1e-4)  # integer codes on the block's grid
         assert np.abs(np.round(codes)).max() <= 127
-    assert np.abs(lo).max() <= np.abs(x_np).max() / 127 / 254 * 1.01
+    block_max = np.abs(x_np.reshape(2, 2, 32)).max(-1, keepdims=True)
+    assert (np.abs(lo) <= block_max / (127 * 508) * 1.01).all()  # |lo| <= s0 / 508 = max|x_b| / 64516
+
+
+def test_split_rows_sum_the_parts_of_several_rows():
+    """A graph of several rows under split_rows: each row's three parts are summed back to its own row."""
+    gs, feeds = graphset_for("llama", (4,))
+    _on_grids(gs)
+    out, rows = run_passes(gs, ["fold_constants", {"matmul_nbits": {"split_rows": 4}}], 1e-4, feeds)
+    assert rows[-1]["worst"]["diff"] < 2e-5
+    assert set(_level_and_rows(next(iter(out.entries.values())))) == {(4, 12)}
