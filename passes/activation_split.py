@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from toolchain.ir.graph import add_initializer, new_node
+from toolchain.ir.graph import add_initializer, new_node, shape_constant
 
 PARTS = 3  # hi, mid, lo: two exact levels, then the kernel's own rounding on a 2^-16 remainder
 _TINY = 1e-30  # an all-zero block has scale 0: lift it, so x / s stays 0 instead of NaN
@@ -33,8 +33,7 @@ def blocked_view(graph: ir.Graph, before: ir.Node, x: ir.Value, lead: list[int],
                  base: str) -> ir.Value:
     """x [*lead, k] as [*lead, k/block, block]."""
     shape = lead + [k // block, block]
-    target = add_initializer(graph, "shape." + "x".join(map(str, shape)), np.array(shape, np.int64))
-    return new_node(graph, before, "Reshape", [x, target], f"{base}/blocks", None, shape, x.dtype).outputs[0]
+    return new_node(graph, before, "Reshape", [x, shape_constant(graph, shape)], f"{base}/blocks", None, shape, x.dtype).outputs[0]
 
 
 def _on_grid(graph: ir.Graph, before: ir.Node, r: ir.Value, shape: list[int], base: str) -> ir.Value:
@@ -68,8 +67,7 @@ def split_rows(graph: ir.Graph, before: ir.Node, blocks: ir.Value, lead: list[in
     cat = new_node(graph, before, "Concat", [hi, mid, lo], f"{base}/parts", {"axis": axis}, cat_shape,
                    blocks.dtype).outputs[0]
     flat = lead[:-1] + [PARTS * lead[-1], k]
-    target = add_initializer(graph, "shape." + "x".join(map(str, flat)), np.array(flat, np.int64))
-    return new_node(graph, before, "Reshape", [cat, target], f"{base}/part_rows", None, flat,
+    return new_node(graph, before, "Reshape", [cat, shape_constant(graph, flat)], f"{base}/part_rows", None, flat,
                     blocks.dtype).outputs[0]
 
 
@@ -78,8 +76,7 @@ def sum_parts(graph: ir.Graph, before: ir.Node, y: ir.Value, lead: list[int], n:
     axis = len(lead) - 1
     if lead[-1] != 1:
         grouped = lead[:-1] + [PARTS, lead[-1], n]
-        target = add_initializer(graph, "shape." + "x".join(map(str, grouped)), np.array(grouped, np.int64))
-        y = new_node(graph, before, "Reshape", [y, target], f"{base}/by_part", None, grouped, y.dtype).outputs[0]
+        y = new_node(graph, before, "Reshape", [y, shape_constant(graph, grouped)], f"{base}/by_part", None, grouped, y.dtype).outputs[0]
     axes = add_initializer(graph, f"axes.{axis}", np.array([axis], np.int64))
     return new_node(graph, before, "ReduceSum", [y, axes], f"{base}/sum_parts", {"keepdims": int(lead[-1] == 1)},
                     lead + [n], y.dtype).outputs[0]

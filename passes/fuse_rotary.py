@@ -26,6 +26,7 @@ from toolchain.ir.graph import (
     new_node,
     remove_unused,
     scope,
+    shape_constant,
     shape_of,
     take_over,
 )
@@ -113,9 +114,8 @@ def _cache(graph: ir.Graph, table: ir.Value, before: ir.Node, made: dict) -> ir.
     """position_cos [1, 1, N, D/2] as the kernel's cos_cache [N, D/2] (one Reshape per table)."""
     if table.name not in made:
         n, half = shape_of(table)[-2:]
-        shape = add_initializer(graph, f"shape.{n}x{half}", np.array([n, half], np.int64))
         first = next(iter(graph))
-        made[table.name] = new_node(graph, first, "Reshape", [table, shape], f"rotary/{table.name}_cache",
+        made[table.name] = new_node(graph, first, "Reshape", [table, shape_constant(graph, [n, half])], f"rotary/{table.name}_cache",
                                     None, [n, half], table.dtype).outputs[0]
     return made[table.name]
 

@@ -37,6 +37,7 @@ from toolchain.ir.graph import (
     new_node,
     remove_unused,
     scope,
+    shape_constant,
     shape_of,
     take_over,
 )
@@ -92,9 +93,8 @@ class _Converter:
         return self._reshape(tr.outputs[0], full, base, None, tr)
 
     def _reshape(self, x, shape, base, before, after=None) -> ir.Value:
-        s = add_initializer(self.graph, "shape." + "x".join(str(d) for d in shape), np.array(shape, np.int64))
         return new_node(
-            self.graph, before, "Reshape", [x, s], base, None, shape, x.dtype, after=after
+            self.graph, before, "Reshape", [x, shape_constant(self.graph, shape)], base, None, shape, x.dtype, after=after
         ).outputs[0]
 
     def convert(self, node: ir.Node, weight: np.ndarray) -> None:

@@ -28,7 +28,6 @@ import numpy as np
 import onnx_ir as ir
 
 from passes import activation_split
-from passes.activation_split import blocked_view
 from passes.base import GraphPass, PassConfig
 from passes.registry import register
 from toolchain.ir.block_grid import GridFit, fit_block_grid
@@ -101,7 +100,7 @@ def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int
     lead = shape_of(x)[:-1]
     rows = math.prod(lead)
     split = level == 0 and bool(lead) and 0 < rows <= split_rows  # lead: a rows axis to stack parts on
-    xr = blocked_view(graph, node, x, lead, c, block, base) if split or fit.offset is not None else None
+    xr = activation_split.blocked_view(graph, node, x, lead, c, block, base) if split or fit.offset is not None else None
     attrs = {"K": c, "N": o, "bits": bits, "block_size": block, "accuracy_level": 4 if split else level}
     if split:  # three int8-exact rows per row through the int8 kernel, then their outputs summed
         parts = activation_split.split_rows(graph, node, xr, lead, c, f"{base}/split")

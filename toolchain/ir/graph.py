@@ -83,6 +83,10 @@ def add_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
+
+def shape_constant(graph: ir.Graph, shape: list[int]) -> ir.Value:
+    """The int64 target of a Reshape to `shape`, named by its dims so every node (and graph) shares it."""
+    return add_initializer(graph, "shape." + "x".join(map(str, shape)), np.array(shape, np.int64))
 def new_node(
     graph: ir.Graph,
     before: ir.Node | None,

@@ -94,27 +94,29 @@ class Lever(Policy):
     def _can_split(self) -> bool:
         return any(s.role == "lm_head" for s in self.target.sessions.chain(self.target.decode_family))
 
+    def _path_keys(self, fam: str) -> tuple[str, str] | None:
+        """The price keys of a path-only verify of `fam` (its body, the row head), or None when its
+        lm_head is not a stage of its own."""
+        v = self.verifier
+        if v.body_and_head(fam)[1] is None or v.row_head is None:
+            return None
+        return f"body:{fam}", f"stage:{v.row_head.name}"
+
     def _verify_keys(self) -> list[str]:
-        """The price keys `_verify_costs` reads: each verify family, and its body and row head when split."""
-        v, keys = self.verifier, []
-        for fam in v.widths.values():
-            keys.append(fam)
-            if v.body_and_head(fam)[1] is not None and v.row_head is not None:
-                keys += [f"body:{fam}", f"stage:{v.row_head.name}"]
-        return keys
+        """The price keys `_verify_costs` reads: each verify family, and its path keys when split."""
+        return [k for fam in self.verifier.widths.values() for k in (fam, *(self._path_keys(fam) or ()))]
 
     def _verify_costs(self) -> StepCost:
         """V(W) per compiled width; with path-only logits, the body plus the expected head rows."""
         out = {}
         v = self.verifier
         for w, fam in v.widths.items():
-            body, head = v.body_and_head(fam)
             full = self.t_prices.seconds(fam)
-            if head is None or v.row_head is None:
+            keys = self._path_keys(fam)
+            if keys is None:
                 out[w] = full
                 continue
-            path = self.t_prices.seconds(f"body:{fam}") + self.mean_emitted * self.t_prices.seconds(
-                f"stage:{v.row_head.name}")
+            path = self.t_prices.seconds(keys[0]) + self.mean_emitted * self.t_prices.seconds(keys[1])
             if self.config.logits == "auto":
                 v.modes[w] = "path" if path < full else "full"
             out[w] = path if v.modes.get(w, v.logits) == "path" else full
