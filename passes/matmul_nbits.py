@@ -15,6 +15,9 @@ Rewrite rules (blocks of `block_size` along the input axis):
 default), 4 quantizes activations to int8 inside the kernel (faster, no longer exact).
 `split_rows: R` runs graphs of at most R rows through the int8 kernel at float32 precision, their
 activations split into three int8-exact parts (passes/activation_split.py).
+`kernel_rows: R` runs the int4 projections of graphs of at most R rows as mobc's own `MatMulQ4`
+(toolchain/kernels/: float32 activations, the Q4_1 offset inside the kernel, ~2.5x level 0's speed on
+one row); it takes precedence over split_rows for those graphs.
 Requires: MatMul weights (run it before linear_to_conv, or without it: this is the CPU form;
 check_htp refuses com.microsoft ops). Ensures: no MatMul with a constant 2-D weight on a grid the
 pass converts remains, and every MatMulNBits' packed codes match its K, N, bits and block size.
@@ -30,6 +33,7 @@ import onnx_ir as ir
 from passes import activation_split
 from passes.base import GraphPass, PassConfig
 from passes.registry import register
+from toolchain import kernels
 from toolchain.ir.block_grid import GridFit, fit_block_grid
 from toolchain.ir.graph import (
     add_initializer,
@@ -82,6 +86,41 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
+def pack_q4_kernel(codes: np.ndarray) -> np.ndarray:
+    """int4 codes [C, O] (k in -8..7) -> MatMulQ4's packed uint8 [O, C/32, 16]: per block four 32-bit
+    words, element e = 8k + j in word j % 4 at nibble 2k + (j >= 4) (toolchain/kernels/q4_matmul.h)."""
+    c, o = codes.shape
+    q = (codes.astype(np.int16) + 8).astype(np.uint32).T.reshape(o, c // kernels.BLOCK, kernels.BLOCK)
+    e = np.arange(kernels.BLOCK)
+    k, j = e // 8, e % 8
+    shift = (4 * (2 * k + (j >= 4))).astype(np.uint32)
+    words = np.zeros((o, c // kernels.BLOCK, 4), np.uint32)
+    for i in range(kernels.BLOCK):
+        words[..., j[i] % 4] |= q[..., i] << shift[i]
+    return np.ascontiguousarray(words.astype("<u4").view(np.uint8))
+
+
+def unpack_q4_kernel(packed: np.ndarray) -> np.ndarray:
+    """The inverse of pack_q4_kernel: uint8 q = k + 8 [O, C/32, 32]."""
+    words = np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
+    e = np.arange(kernels.BLOCK)
+    k, j = e // 8, e % 8
+    return ((words[..., j % 4] >> (4 * (2 * k + (j >= 4)))) & 0x0F).astype(np.uint8)
+
+
+def _q4_kernel(graph: ir.Graph, node: ir.Node, fit: GridFit, base: str, shape: list[int]) -> ir.Value:
+    """`x @ W` as mobc's MatMulQ4: W = d*k + c = d*q + (c - 8d) per block, q = k + 8 in 0..15."""
+    c = fit.offset if fit.offset is not None else np.zeros_like(fit.scale)
+    mins = (c.astype(np.float64) - 8.0 * fit.scale.astype(np.float64)).astype(np.float32)  # [C/32, O]
+    inputs = [node.inputs[0],
+              add_initializer(graph, f"{base}.q4_codes", pack_q4_kernel(fit.codes)),
+              add_initializer(graph, f"{base}.q4_scales", np.ascontiguousarray(fit.scale.T, np.float32)),
+              add_initializer(graph, f"{base}.q4_mins", np.ascontiguousarray(mins))]
+    out = new_node(graph, node, "MatMulQ4", inputs, f"{base}/MatMulQ4", None, shape, ir.DataType.FLOAT)
+    out.domain = kernels.DOMAIN
+    return out.outputs[0]
+
+
 def _nbits_node(graph: ir.Graph, before: ir.Node, inputs: list[ir.Value], name: str, attrs: dict,
                 shape: list[int]) -> ir.Node:
     node = new_node(graph, before, "MatMulNBits", inputs, name, attrs, shape, ir.DataType.FLOAT)
@@ -90,14 +129,19 @@ def _nbits_node(graph: ir.Graph, before: ir.Node, inputs: list[ir.Value], name: 
 
 
 def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int, level: int,
-             split_rows: int) -> None:
+             split_rows: int, kernel_rows: int) -> None:
     x, out = node.inputs[0], node.outputs[0]
     c, o = fit.codes.shape
     base = scope(node)
+    lead = shape_of(x)[:-1]
+    if (bits == 4 and block == kernels.BLOCK and c <= kernels.MAX_K and bool(lead)
+            and 0 < math.prod(lead) <= kernel_rows):
+        take_over(out, _q4_kernel(graph, node, fit, base, shape_of(out)), "float")
+        graph.remove(node, safe=True)
+        return
     b = add_initializer(graph, f"{base}.nbits_weight", pack_codes(fit.codes, bits, block))
     s = add_initializer(graph, f"{base}.nbits_scales", np.ascontiguousarray(fit.scale.T).reshape(-1))
     full = shape_of(out)
-    lead = shape_of(x)[:-1]
     rows = math.prod(lead)
     split = level == 0 and bool(lead) and 0 < rows <= split_rows  # lead: a rows axis to stack parts on
     xr = activation_split.blocked_view(graph, node, x, lead, c, block, base) if split or fit.offset is not None else None
@@ -135,6 +179,11 @@ class MatMulNBits(GraphPass):
         # their activations split into three int8-exact parts (passes/activation_split.py):
         # float32's precision at the int8 kernel's speed; wider calls do not gain. 0: off
         split_rows: int = 0
+        # calls of at most this many rows (a decode graph's 1) run their int4 projections as mobc's
+        # MatMulQ4 (toolchain/kernels/): float32 activations at ~2.5x level 0's speed on one row,
+        # no split ops; at 8+ rows onnxruntime's dequantize-and-SGEMM path is as fast or faster.
+        # Needs a C compiler at compile time (built once). 0: off
+        kernel_rows: int = 0
 
     def rewrite(self, model: ir.Model) -> bool:
         cfg = self.config
@@ -144,11 +193,15 @@ class MatMulNBits(GraphPass):
             fitted = _fit(found, cfg.block_size, cfg.int8) if found is not None else None
             if fitted is None:
                 continue
+            if cfg.kernel_rows and fitted[1] == 4:
+                kernels.require("matmul_nbits: {kernel_rows: ...}")
             _convert(model.graph, node, fitted[0], fitted[1], cfg.block_size, cfg.accuracy_level,
-                     cfg.split_rows)
+                     cfg.split_rows, cfg.kernel_rows)
             changed = True
         if changed:
             model.opset_imports.setdefault(DOMAIN, 1)
+            if any(n.domain == kernels.DOMAIN for n in model.graph):
+                model.opset_imports.setdefault(kernels.DOMAIN, 1)
             remove_unused(model)
         return changed
 
@@ -157,6 +210,12 @@ class MatMulNBits(GraphPass):
             found = _weight(node)
             if found is not None and _fit(found, self.config.block_size, self.config.int8) is not None:
                 raise AssertionError(f"MatMul {node.name} has a weight on a block grid and was not converted")
+            if node.op_type == "MatMulQ4" and node.domain == kernels.DOMAIN:
+                packed, scales, mins = (const_array(v) for v in node.inputs[1:4])
+                o, blocks = scales.shape
+                if packed.shape != (o, blocks, 16) or mins.shape != (blocks, o):
+                    raise AssertionError(f"{node.name}: packed {packed.shape}, scales {scales.shape}, "
+                                         f"mins {mins.shape} disagree")
             if node.op_type == "MatMulNBits":
                 a = {k: v.value for k, v in node.attributes.items()}
                 packed = const_array(node.inputs[1])

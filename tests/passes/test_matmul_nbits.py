@@ -177,3 +177,24 @@ def test_split_rows_sum_the_parts_of_several_rows():
     out, rows = run_passes(gs, ["fold_constants", {"matmul_nbits": {"split_rows": 4}}], 1e-4, feeds)
     assert rows[-1]["worst"]["diff"] < 2e-5
     assert set(_level_and_rows(next(iter(out.entries.values())))) == {(4, 12)}
+
+
+def test_kernel_rows_run_mobcs_exact_int4_op():
+    """kernel_rows: a one-row graph's int4 projections (Q4_0 and Q4_1) become mobc's MatMulQ4 with
+    the Q4_1 offset inside the op, within float32 rounding of the float graph; a wider graph keeps
+    MatMulNBits at level 0."""
+    from toolchain import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler for mobc's CPU kernels")
+    gs, feeds = graphset_for("llama", (1, 4))
+    int4 = sum(g != "q8_0" for g in _on_grids(gs).values())  # every projection and the untied head
+    out, rows = run_passes(gs, ["fold_constants", {"matmul_nbits": {"kernel_rows": 1}}], 1e-4, feeds)
+    assert rows[-1]["worst"]["diff"] < 2e-5
+    by_width = {e.model.graph.inputs[0].shape[-1]: e for e in out.entries.values()}
+    one = [n for n in by_width[1].model.graph]
+    assert sum(n.op_type == "MatMulQ4" and n.domain == kernels.DOMAIN for n in one) == int4
+    assert not any(n.op_type in ("MatMulNBits", "ReduceSum") for n in one)  # no offset branch left
+    assert {lv for lv, _ in _level_and_rows(by_width[4])} == {0}
+    assert not any(n.op_type == "MatMulQ4" for n in by_width[4].model.graph)
+    build({"matmul_nbits": {"kernel_rows": 1}}).ensures(by_width[1].model)

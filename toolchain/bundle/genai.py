@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from toolchain import kernels
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
 from toolchain.bundle import genai_stages as stages
 from toolchain.compile.emit import staging
@@ -73,6 +74,7 @@ def _families(manifest: Manifest, folder: Path) -> tuple[str, str]:
             "decode: {width: 1, context: 512} and prefill: {width: 128, context: 512} to the recipe and recompile")
     p = max(prompt, key=lambda f: heads[f].width)
     t = token[0]
+    _refuse_mobc_ops(manifest, folder, (p, t))
     w, cl = heads[p].width, heads[p].context
     if heads[t].context != cl:
         raise ArtifactError(f"{folder}: the prefill graph has context {cl}, the decode graph "
@@ -103,6 +105,18 @@ def _link(src: Path, dst: Path, summary: BundleSummary) -> None:
         summary.copied_bytes += size
         if "copied" not in " ".join(summary.notes):
             summary.notes.append("the output is on another filesystem than the artifact: files were copied")
+
+
+def _refuse_mobc_ops(manifest: Manifest, folder: Path, families: tuple[str, ...]) -> None:
+    """onnxruntime-genai sessions do not load mobc's own CPU kernels (toolchain/kernels/)."""
+    for family in families:
+        for record in manifest.chain(family):
+            graph = onnx.load(str(folder / record.file), load_external_data=False).graph
+            if any(n.domain == kernels.DOMAIN for n in graph.node):
+                raise ArtifactError(
+                    f"{folder}: graph {record.file} uses mobc's own CPU op ({kernels.DOMAIN}), which "
+                    "onnxruntime-genai does not load; bundle an artifact compiled without "
+                    "`matmul_nbits: {kernel_rows: ...}` (mobc run executes this one)")
 
 
 def _external_files(path: Path) -> list[str]:

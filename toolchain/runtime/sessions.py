@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from toolchain import kernels
 from toolchain.artifact.chain import KEPT_OUTPUTS, run_chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
@@ -33,6 +34,7 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_session_config_entry(*QDQ_EXACT)
+    kernels.register(so)  # mobc's own CPU ops (MatMulQ4), when this machine can build them
     if threads:
         so.intra_op_num_threads = threads
     return so

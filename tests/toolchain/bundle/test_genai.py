@@ -208,3 +208,25 @@ def test_qnn_bundle_runs_in_onnxruntime_genai_on_the_htp(tmp_path, tiny_source):
     folder = write_bundle(artifact, tmp_path / "b", target="qnn").folder
     check = verify_bundle(folder, PROMPTS, tokens=8)
     assert check.summary()["agreement"] >= 0.75, [(r.genai.tokens, r.mobc.tokens) for r in check.results]
+
+
+def test_an_artifact_with_mobcs_own_cpu_op_is_refused(tiny_artifact, tmp_path):
+    """A decode graph compiled with matmul_nbits' kernel_rows runs mobc's MatMulQ4, which
+    onnxruntime-genai cannot load: the bundle says so instead of writing a pipeline that fails."""
+    import onnx
+
+    from toolchain.artifact.integrity import sha256_path
+
+    art = _edited_copy(tiny_artifact, tmp_path, lambda m: None)
+    manifest = json.loads((art / "manifest.json").read_text())
+    decode = next(g["file"] for g in manifest["graphs"] if g["role"] == "decode")
+    model = onnx.load(str(art / decode), load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type == "MatMul")
+    node.op_type, node.domain = "MatMulQ4", "mobc.cpu"
+    onnx.save(model, str(art / decode))
+    manifest["files"][decode] = sha256_path(art / decode)  # as a compile would have recorded it
+    manifest["sizes"][decode] = (art / decode).stat().st_size
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="kernel_rows"):
+        write_bundle(art, tmp_path / "b")
+    assert not (tmp_path / "b").exists()

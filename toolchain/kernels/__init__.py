@@ -1,0 +1,122 @@
+"""mobc's own onnxruntime CPU kernels: a small C library of custom ops, built on first use.
+
+`MatMulQ4` (domain `mobc.cpu`): x[..., K] @ W[K, N] with W on a 4-bit block grid (GGUF's Q4_0 and
+Q4_1 codes, blocks of 32) and float32 activations, i.e. the float model's arithmetic, at ~2.5x the
+speed of onnxruntime's own exact (accuracy_level 0) MatMulNBits on one row (passes/matmul_nbits.py
+uses it for narrow graphs). The sources sit beside this file; the library is compiled once per
+source version with the system C compiler into $MOBC_CACHE/kernels/ (~1 s), the way
+llama-cpp-python compiles llama.cpp at install, and sessions register it when it is there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from toolchain.errors import MobcError
+
+DOMAIN = "mobc.cpu"
+OPS = ("MatMulQ4",)
+BLOCK = 32
+MAX_K = 32768  # the longest row the op takes (MOBC_Q4_MAX_K in q4_matmul.h)
+SOURCES = ("q4_matmul.c", "ort_ops.c")
+HEADERS = ("q4_matmul.h", "ort_abi.h")
+_HERE = Path(__file__).parent
+_lock = threading.Lock()
+_built: dict[str, Path | str] = {}
+
+
+class KernelBuildError(MobcError):
+    """mobc's CPU kernel library cannot be built or loaded on this machine."""
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MOBC_CACHE", Path.home() / ".cache" / "mobc")) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _flags() -> list[str]:
+    return ["-O3", "-shared", "-fPIC", "-std=c11", "-Wall", "-Wno-unused-function"]
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode() + (_HERE / name).read_bytes())
+    h.update(" ".join(_flags()).encode() + platform.machine().encode())
+    return h.hexdigest()[:16]
+
+
+def _build(target: Path) -> None:
+    cc = _compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (cc, gcc or clang) to build mobc's CPU kernels; install "
+                               "one (Debian: apt install gcc) or set CC, or compile the recipe without "
+                               "`matmul_nbits: {kernel_rows: ...}`")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [cc, *_flags(), "-o", str(out), *(str(_HERE / s) for s in SOURCES)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelBuildError(f"building mobc's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr.strip()}")
+        os.replace(out, target)  # atomic: a concurrent process sees the whole library or none
+
+
+def library() -> Path:
+    """The kernel library for these sources, built on first use; raises KernelBuildError."""
+    key = _digest()
+    with _lock:
+        got = _built.get(key)
+        if isinstance(got, str):
+            raise KernelBuildError(got)
+        if got is not None:
+            return got
+        target = _cache_root() / key / ("mobc_kernels.dll" if sys.platform == "win32" else "libmobc_kernels.so")
+        try:
+            if not target.exists():
+                _build(target)
+        except KernelBuildError as exc:
+            _built[key] = str(exc)
+            raise
+        _built[key] = target
+        return target
+
+
+def available() -> bool:
+    try:
+        library()
+        return True
+    except KernelBuildError:
+        return False
+
+
+def register(so) -> bool:
+    """Registers the kernels with onnxruntime SessionOptions `so` when they can be built; a graph
+    that needs them and finds them missing fails in `require` with the reason."""
+    try:
+        so.register_custom_ops_library(str(library()))
+        return True
+    except KernelBuildError:
+        return False
+
+
+def require(what: str) -> None:
+    """Fails with the build's reason when `what` needs the kernels and they cannot be built."""
+    try:
+        library()
+    except KernelBuildError as exc:
+        raise KernelBuildError(f"{what} needs mobc's CPU kernels: {exc}") from None
