@@ -128,10 +128,12 @@ def test_no_import_cycles_between_modules():
 LAYERS = {
     "toolchain.errors": set(),
     "toolchain.artifact": {"toolchain.errors"},
-    "toolchain.runtime": {"toolchain.errors", "toolchain.artifact", "toolchain.cost", "toolchain.qnn"},
+    "toolchain.kernels": {"toolchain.errors"},  # C sources and their build: below everything that runs graphs
+    "toolchain.runtime": {"toolchain.errors", "toolchain.artifact", "toolchain.cost", "toolchain.qnn",
+                          "toolchain.kernels"},
     "toolchain.cost": {"toolchain.errors", "toolchain.artifact"},
     "toolchain.ir": {"toolchain.errors", "toolchain.artifact"},
-    "passes": {"toolchain.errors", "toolchain.artifact", "toolchain.ir"},
+    "passes": {"toolchain.errors", "toolchain.artifact", "toolchain.ir", "toolchain.kernels"},
 }
 
 
