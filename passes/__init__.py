@@ -7,6 +7,7 @@ __all__ = ["PASSES", "argmax_exact_outputs", "build", "check_order", "register"]
 # importing a pass module registers it
 from passes import (  # noqa: E402,F401
     attend_past_in_place,
+    cache_attention,
     certified_lm_head,
     check_htp,
     fold_constants,

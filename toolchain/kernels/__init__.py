@@ -1,9 +1,12 @@
 """mobc's own onnxruntime CPU kernels: a small C library of custom ops, built on first use.
 
-`MatMulQ4` (domain `mobc.cpu`): x[..., K] @ W[K, N] with W on a 4-bit block grid (GGUF's Q4_0 and
-Q4_1 codes, blocks of 32) and float32 activations, i.e. the float model's arithmetic, at ~2.5x the
-speed of onnxruntime's own exact (accuracy_level 0) MatMulNBits on one row (passes/matmul_nbits.py
-uses it for narrow graphs). The sources sit beside this file; the library is compiled once per
+Domain `mobc.cpu`:
+- `MatMulQ4`: x[..., K] @ W[K, N] with W on a 4-bit block grid (GGUF's Q4_0 and Q4_1 codes, blocks of
+  32) and float32 activations, i.e. the float model's arithmetic, at ~2.5x the speed of
+  onnxruntime's own exact (accuracy_level 0) MatMulNBits on one row (passes/matmul_nbits.py uses it
+  for narrow graphs).
+- `CacheAttention`: a narrow step graph's attention over the static KV cache, reading only the slots
+  its mask admits (passes/cache_attention.py). The sources sit beside this file; the library is compiled once per
 source version with the system C compiler into $MOBC_CACHE/kernels/ (~1 s), the way
 llama-cpp-python compiles llama.cpp at install, and sessions register it when it is there.
 """
@@ -23,11 +26,12 @@ from pathlib import Path
 from toolchain.errors import MobcError
 
 DOMAIN = "mobc.cpu"
-OPS = ("MatMulQ4",)
+OPS = ("MatMulQ4", "CacheAttention")
 BLOCK = 32
 MAX_K = 32768  # the longest row the op takes (MOBC_Q4_MAX_K in q4_matmul.h)
-SOURCES = ("q4_matmul.c", "ort_ops.c")
-HEADERS = ("q4_matmul.h", "ort_abi.h")
+SOURCES = ("q4_matmul.c", "cache_attention.c", "ort_ops.c")
+HEADERS = ("q4_matmul.h", "cache_attention.h", "ort_abi.h")
+LIBS = ("-lm",)  # after the sources, so the linker keeps them
 _HERE = Path(__file__).parent
 _lock = threading.Lock()
 _built: dict[str, Path | str] = {}
@@ -56,7 +60,7 @@ def _digest() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update(name.encode() + (_HERE / name).read_bytes())
-    h.update(" ".join(_flags()).encode() + platform.machine().encode())
+    h.update(" ".join(_flags() + list(LIBS)).encode() + platform.machine().encode())
     return h.hexdigest()[:16]
 
 
@@ -69,7 +73,7 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, *_flags(), "-o", str(out), *(str(_HERE / s) for s in SOURCES)]
+        cmd = [cc, *_flags(), "-o", str(out), *(str(_HERE / s) for s in SOURCES), *LIBS]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise KernelBuildError(f"building mobc's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr.strip()}")

@@ -2,10 +2,16 @@
  *
  * MatMulQ4(x float[..., K], codes uint8[N, K/32, 16], scales float[N, K/32], mins float[K/32, N])
  *   -> y float[..., N]: x @ W with W[32b + i, n] = scales[n, b] * q + mins[b, n] (q4_matmul.h).
- * Columns are shared out over onnxruntime's own intra-op thread pool. */
+ * CacheAttention(q float[G, H, N, D], past_key[G, 1, D, P], new_key[G, 1, D, Nn],
+ *                past_value[G, 1, P, D], new_value[G, 1, Nn, D], mask[1, 1, N, P + Nn], scale[1])
+ *   -> out float[G, H, N, D]: softmax(q k * scale + mask) v over the slots the mask admits
+ *   (cache_attention.h).
+ * Work is shared out over onnxruntime's own intra-op thread pool. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "cache_attention.h"
 #include "ort_abi.h"
 #include "q4_matmul.h"
 
@@ -66,7 +72,7 @@ static OrtStatus *input(OrtKernelContext *ctx, size_t index, Tensor *t) {
 
 /* ---- MatMulQ4 ---- */
 
-#define COLS_PER_TASK 64  /* a task's columns: 64 x K/32 blocks, small enough to balance two threads */
+#define COLS_PER_TASK 32  /* a task's columns: 32 x K/32 blocks; SmolLM2's 576 columns make 18 tasks, even on two threads */
 
 typedef struct {
     const float *x, *d, *m;
@@ -143,6 +149,69 @@ static const OrtCustomOp q4_op = {
     NULL, NULL, NULL, NULL, NULL, NULL, NULL,
 };
 
+/* ---- CacheAttention ---- */
+
+typedef struct {
+    const float *q, *pk, *nk, *pv, *nv, *mask;
+    int64_t H, N, D, P, Nn;
+    float scale;
+    float *out;
+} AttentionCall;
+
+static void attention_task(void *data, size_t row) {  /* row = (g * H + h) * N + n */
+    const AttentionCall *c = (const AttentionCall *)data;
+    int64_t n = (int64_t)row % c->N, g = (int64_t)row / (c->H * c->N);
+    float stack[4096], *scratch = c->P + c->Nn <= 4096 ? stack : malloc(sizeof(float) * (c->P + c->Nn));
+    if (scratch == NULL) return;  /* out of memory: the row stays as written (zeros) */
+    mobc_cache_attention_row(c->q + row * c->D, c->pk + g * c->D * c->P, c->nk + g * c->D * c->Nn,
+                             c->pv + g * c->P * c->D, c->nv + g * c->Nn * c->D, c->mask + n * (c->P + c->Nn),
+                             c->D, c->P, c->Nn, c->scale, c->out + row * c->D, scratch);
+    if (scratch != stack) free(scratch);
+}
+
+static OrtStatus *attention_compute(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    Tensor t[7];
+    for (size_t i = 0; i < 7; i++) {
+        CHECK(input(ctx, i, &t[i]));
+        if (t[i].elem != ORT_ELEMENT_FLOAT) return fail("CacheAttention: input %lld is not float%.0lld", (int64_t)i, 0);
+    }
+    Tensor *q = &t[0], *pk = &t[1], *nk = &t[2], *pv = &t[3], *nv = &t[4], *mask = &t[5], *scale = &t[6];
+    for (size_t i = 0; i < 6; i++)
+        if (t[i].rank != 4) return fail("CacheAttention: input %lld has rank %lld, expected 4", (int64_t)i, (int64_t)t[i].rank);
+    int64_t G = q->dims[0], H = q->dims[1], N = q->dims[2], D = q->dims[3], P = pk->dims[3], Nn = nk->dims[3];
+    if (pk->dims[0] != G || pk->dims[1] != 1 || pk->dims[2] != D || nk->dims[0] != G || nk->dims[2] != D ||
+        pv->dims[0] != G || pv->dims[2] != P || pv->dims[3] != D || nv->dims[0] != G || nv->dims[2] != Nn ||
+        nv->dims[3] != D)
+        return fail("CacheAttention: cache shapes disagree with q (groups %lld, head dim %lld)", G, D);
+    if (mask->dims[0] != 1 || mask->dims[1] != 1 || mask->dims[2] != N || mask->dims[3] != P + Nn)
+        return fail("CacheAttention: mask must be [1, 1, %lld, %lld]", N, P + Nn);
+    int64_t scale_n = 1;
+    for (size_t i = 0; i < scale->rank; i++) scale_n *= scale->dims[i];
+    if (scale_n != 1) return fail("CacheAttention: scale must hold one value, not %lld%.0lld", scale_n, 0);
+    OrtValue *out = NULL;
+    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, q->dims, 4, &out));
+    void *y = NULL;
+    CHECK(API(GetTensorMutableData, GetTensorMutableDataFn)(out, &y));
+    if (G * H * N * D == 0) return NULL;
+    memset(y, 0, sizeof(float) * (size_t)(G * H * N * D));
+    AttentionCall call = {q->data, pk->data, nk->data, pv->data, nv->data, mask->data,
+                          H, N, D, P, Nn, *(const float *)scale->data, y};
+    return API(KernelContext_ParallelFor, ParallelForFn)(ctx, attention_task, (size_t)(G * H * N), 0, &call);
+}
+
+static void attention_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)attention_compute(kernel, ctx); }
+static const char *attention_name(const OrtCustomOp *op) { (void)op; return "CacheAttention"; }
+static int float_input(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ORT_ELEMENT_FLOAT; }
+static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 7; }
+
+static const OrtCustomOp attention_op = {
+    MOBC_CUSTOM_OP_VERSION, q4_create, attention_name, cpu_provider, float_input, attention_input_count,
+    float_output, one, attention_compute_v1, q4_destroy, required, required, default_memory,
+    arity_one, arity_one, arity_one, arity_one, q4_create_v2, attention_compute,
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+};
+
 /* ---- registration ---- */
 
 /* onnxruntime calls this when a session's options register the library. The domain is made once
@@ -156,6 +225,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     if (domain == NULL) {
         CHECK(API(CreateCustomOpDomain, CreateCustomOpDomainFn)("mobc.cpu", &domain));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &q4_op));
+        CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &attention_op));
     }
     return API(AddCustomOpDomain, AddCustomOpDomainFn)(options, domain);
 }
