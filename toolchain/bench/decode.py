@@ -78,6 +78,16 @@ class Predictor:
         return sum(n * self.seconds(f) for f, n in calls.items())
 
 
+def baseline_labels(baselines: list[Any]) -> list[str]:
+    """Row labels of --baseline artifacts: their names, or their folders' names where two share a
+    name (two compiles of one recipe, one kept under another folder), so no row replaces another."""
+    names = [b.name for b in baselines]
+    if len(set(names)) == len(names):
+        return names
+    folders = [b.folder.name for b in baselines]
+    return [f if folders.count(f) == 1 else f"{f}#{i + 1}" for i, f in enumerate(folders)]
+
+
 def _progress(name: str, p: dict[str, Any]) -> str:
     calls = sum(p["target_calls"].values())
     same = "" if p["identical_to_ar"] else " MISMATCH"
@@ -130,8 +140,9 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
             if name != "ar":
                 row = f"{name}@{step_model(d).folder.name}"
                 pol[row], owner[row], draft_key[row] = make_policy(name, target, d, gamma=gamma), "target", f"draft{i}"
-    for b in baselines:
-        name = f"ar@{b.name}"
+    labels = baseline_labels(baselines)
+    for b, label in zip(baselines, labels, strict=True):
+        name = f"ar@{label}"
         pol[name], owner[name] = make_policy("ar", b), name
     for m in (target, draft, *baselines, *other_drafts):
         if m is not None:
@@ -141,8 +152,8 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
         predictors["draft"] = Predictor.build(step_model(draft), device, draft_dram)
     for i, d in enumerate(other_drafts):
         predictors[f"draft{i}"] = Predictor.build(step_model(d), device, draft_dram)
-    for b in baselines:
-        predictors[f"ar@{b.name}"] = Predictor.build(b, device, target_dram)
+    for b, label in zip(baselines, labels, strict=True):
+        predictors[f"ar@{label}"] = Predictor.build(b, device, target_dram)
     tok = target.tokenizer
     widest_verify = target.widths[target.family_for(gamma + 1)] if draft is not None else 1
     results = {name: PolicyResult(name) for name in pol}
