@@ -122,32 +122,39 @@ static OrtStatus *q4_compute(void *kernel, OrtKernelContext *ctx) {
     return API(KernelContext_ParallelFor, ParallelForFn)(ctx, q4_task, tasks, 0, &call);
 }
 
-static void *q4_create(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info) {
+/* ---- what every op here shares: stateless kernels on the CPU EP, required inputs, one float output ---- */
+
+static void *stateless_create(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info) {
     (void)op, (void)a, (void)info;
-    return (void *)&api;  /* stateless: any non-NULL handle */
+    return (void *)&api;  /* any non-NULL handle */
 }
-static OrtStatus *q4_create_v2(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info, void **kernel) {
-    *kernel = q4_create(op, a, info);
+static OrtStatus *stateless_create_v2(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info,
+                                      void **kernel) {
+    *kernel = stateless_create(op, a, info);
     return NULL;
 }
-static void q4_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)q4_compute(kernel, ctx); }
-static void q4_destroy(void *kernel) { (void)kernel; }
-static const char *q4_name(const OrtCustomOp *op) { (void)op; return "MatMulQ4"; }
+static void stateless_destroy(void *kernel) { (void)kernel; }
 static const char *cpu_provider(const OrtCustomOp *op) { (void)op; return NULL; }  /* NULL: the CPU EP */
-static int q4_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? ORT_ELEMENT_UINT8 : ORT_ELEMENT_FLOAT; }
-static size_t q4_input_count(const OrtCustomOp *op) { (void)op; return 4; }
 static int float_output(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ORT_ELEMENT_FLOAT; }
 static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
 static int required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ORT_IO_REQUIRED; }
 static int default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ORT_MEM_DEFAULT; }
 static int arity_one(const OrtCustomOp *op) { (void)op; return 1; }
 
-static const OrtCustomOp q4_op = {
-    MOBC_CUSTOM_OP_VERSION, q4_create, q4_name, cpu_provider, q4_input_type, q4_input_count,
-    float_output, one, q4_compute_v1, q4_destroy, required, required, default_memory,
-    arity_one, arity_one, arity_one, arity_one, q4_create_v2, q4_compute,
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-};
+/* an op table; onnxruntime calls COMPUTE (KernelComputeV2, errors as a status) from version 16 on,
+ * the void KernelCompute only before */
+#define CPU_OP(NAME_FN, INPUT_TYPE_FN, INPUT_COUNT_FN, COMPUTE_V1, COMPUTE)                          \
+    {MOBC_CUSTOM_OP_VERSION, stateless_create, NAME_FN, cpu_provider, INPUT_TYPE_FN, INPUT_COUNT_FN, \
+     float_output, one, COMPUTE_V1, stateless_destroy, required, required, default_memory,          \
+     arity_one, arity_one, arity_one, arity_one, stateless_create_v2, COMPUTE,                      \
+     NULL, NULL, NULL, NULL, NULL, NULL, NULL}
+
+static void q4_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)q4_compute(kernel, ctx); }
+static const char *q4_name(const OrtCustomOp *op) { (void)op; return "MatMulQ4"; }
+static int q4_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? ORT_ELEMENT_UINT8 : ORT_ELEMENT_FLOAT; }
+static size_t q4_input_count(const OrtCustomOp *op) { (void)op; return 4; }
+
+static const OrtCustomOp q4_op = CPU_OP(q4_name, q4_input_type, q4_input_count, q4_compute_v1, q4_compute);
 
 /* ---- CacheAttention ---- */
 
@@ -205,12 +212,8 @@ static const char *attention_name(const OrtCustomOp *op) { (void)op; return "Cac
 static int float_input(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ORT_ELEMENT_FLOAT; }
 static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 7; }
 
-static const OrtCustomOp attention_op = {
-    MOBC_CUSTOM_OP_VERSION, q4_create, attention_name, cpu_provider, float_input, attention_input_count,
-    float_output, one, attention_compute_v1, q4_destroy, required, required, default_memory,
-    arity_one, arity_one, arity_one, arity_one, q4_create_v2, attention_compute,
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-};
+static const OrtCustomOp attention_op =
+    CPU_OP(attention_name, float_input, attention_input_count, attention_compute_v1, attention_compute);
 
 /* ---- registration ---- */
 
