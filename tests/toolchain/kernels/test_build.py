@@ -1,0 +1,40 @@
+"""Building mobc's CPU kernel library: cached per source version, and a clear error (not a
+traceback, not a half-written library) on a machine without a C compiler."""
+
+from __future__ import annotations
+
+import pytest
+
+from toolchain import kernels
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOBC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_built", {})
+    return tmp_path / "kernels"
+
+
+def test_no_compiler_is_a_message_naming_the_fix(fresh_cache, monkeypatch):
+    from passes import build
+    from tests.passes.test_matmul_nbits import _on_grids
+    from tests.passes.tiny import graphset_for
+
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    with pytest.raises(kernels.KernelBuildError, match="no C compiler found.*kernel_rows"):
+        kernels.library()
+    assert not kernels.available() and not list(fresh_cache.rglob("*.so"))
+    gs, _ = graphset_for("llama", (1,))
+    _on_grids(gs)
+    entry = next(iter(gs.entries.values()))
+    with pytest.raises(kernels.KernelBuildError, match="kernel_rows"):
+        build({"matmul_nbits": {"kernel_rows": 1}}).call(entry.model)
+
+
+@pytest.mark.skipif(kernels._compiler() is None, reason="no C compiler")
+def test_built_once_per_source_version(fresh_cache):
+    first = kernels.library()
+    assert first.is_file() and first.parent.parent == fresh_cache
+    stamp = first.stat().st_mtime_ns
+    kernels._built.clear()
+    assert kernels.library() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
