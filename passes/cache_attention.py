@@ -55,7 +55,7 @@ def _is_input(value: ir.Value | None, prefix: str) -> bool:
         and value.const_value is None
 
 
-def _match(graph: ir.Graph, score_past: ir.Node) -> _Attention | None:
+def _match(score_past: ir.Node) -> _Attention | None:
     """attend_past_in_place's layer form, from its past-score MatMul."""
     q, past_key = score_past.inputs
     if not _is_input(past_key, "past_key_"):
@@ -131,7 +131,7 @@ def _slices_fit(a: _Attention, past: ir.Node, new: ir.Node) -> bool:
 def find_attention(graph: ir.Graph) -> list[_Attention]:
     found = []
     for node in graph:
-        if node.op_type == "MatMul" and len(node.inputs) == 2 and (m := _match(graph, node)) is not None:
+        if node.op_type == "MatMul" and len(node.inputs) == 2 and (m := _match(node)) is not None:
             found.append(m)
     return found
 

@@ -134,16 +134,15 @@ def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int
     c, o = fit.codes.shape
     base = scope(node)
     lead = shape_of(x)[:-1]
-    if (bits == 4 and block == kernels.BLOCK and c <= kernels.MAX_K and bool(lead)
-            and 0 < math.prod(lead) <= kernel_rows):
+    rows = math.prod(lead) if lead else 0  # 0: no rows axis (to stack split parts on), never narrow
+    if bits == 4 and block == kernels.BLOCK and c <= kernels.MAX_K and 0 < rows <= kernel_rows:
         take_over(out, _q4_kernel(graph, node, fit, base, shape_of(out)), "float")
         graph.remove(node, safe=True)
         return
     b = add_initializer(graph, f"{base}.nbits_weight", pack_codes(fit.codes, bits, block))
     s = add_initializer(graph, f"{base}.nbits_scales", np.ascontiguousarray(fit.scale.T).reshape(-1))
     full = shape_of(out)
-    rows = math.prod(lead)
-    split = level == 0 and bool(lead) and 0 < rows <= split_rows  # lead: a rows axis to stack parts on
+    split = level == 0 and 0 < rows <= split_rows
     xr = activation_split.blocked_view(graph, node, x, lead, c, block, base) if split or fit.offset is not None else None
     attrs = {"K": c, "N": o, "bits": bits, "block_size": block, "accuracy_level": 4 if split else level}
     if split:  # three int8-exact rows per row through the int8 kernel, then their outputs summed

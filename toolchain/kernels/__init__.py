@@ -6,13 +6,16 @@ Domain `mobc.cpu`:
   onnxruntime's own exact (accuracy_level 0) MatMulNBits on one row (passes/matmul_nbits.py uses it
   for narrow graphs).
 - `CacheAttention`: a narrow step graph's attention over the static KV cache, reading only the slots
-  its mask admits (passes/cache_attention.py). The sources sit beside this file; the library is compiled once per
-source version with the system C compiler into $MOBC_CACHE/kernels/ (~1 s), the way
-llama-cpp-python compiles llama.cpp at install, and sessions register it when it is there.
+  its mask admits (passes/cache_attention.py).
+
+The sources sit beside this file; the library is compiled once per source version with the system C
+compiler into $MOBC_CACHE/kernels/ (~1 s), the way llama-cpp-python compiles llama.cpp at install,
+and sessions register it when it is there.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -56,6 +59,7 @@ def _flags() -> list[str]:
     return ["-O3", "-shared", "-fPIC", "-std=c11", "-Wall", "-Wno-unused-function"]
 
 
+@functools.cache  # the sources of an installed package do not change under a running process
 def _digest() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:

@@ -34,7 +34,7 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_session_config_entry(*QDQ_EXACT)
-    kernels.register(so)  # mobc's own CPU ops (MatMulQ4), when this machine can build them
+    kernels.register(so)  # mobc's own CPU ops (toolchain/kernels/), when this machine can build them
     if threads:
         so.intra_op_num_threads = threads
     return so
