@@ -10,6 +10,7 @@ from passes import (  # noqa: E402,F401
     cache_attention,
     certified_lm_head,
     check_htp,
+    expose_features,
     fold_constants,
     forecast_inputs,
     fuse_projections,

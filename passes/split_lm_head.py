@@ -33,7 +33,7 @@ from toolchain.ir.graphset import GraphEntry, GraphSet
 HIDDEN = "hidden"
 
 
-def _cut_value(model: ir.Model, prefix: str) -> str:
+def _cut_value(model: ir.Model, prefix: str, who: str = "split_lm_head") -> str:
     """The single non-constant value that flows into the `prefix` scope from outside it."""
     inside = [n for n in model.graph if scope(n) == prefix or scope(n).startswith(prefix + ".")]
     members = set(inside)
@@ -47,7 +47,7 @@ def _cut_value(model: ir.Model, prefix: str) -> str:
     if len(crossing) != 1:
         names = [v.name for v in crossing]
         raise PassError(
-            f"split_lm_head: expected one tensor flowing into the {prefix!r} nodes, found {names}; "
+            f"{who}: expected one tensor flowing into the {prefix!r} nodes, found {names}; "
             "is this a mobc step graph?"
         )
     return crossing[0].name

@@ -62,3 +62,32 @@ def test_slots_the_mask_excludes_are_never_read():
     for key, value in want.items():
         assert np.isfinite(got[key]).all(), key
         np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5)
+
+
+def test_a_masked_gap_between_admitted_runs_is_skipped():
+    """Admitted slots 0-7 and 16-23 with a masked chunk between them (a sliding window's or a tree's
+    hole): the kernel computes the two runs and never reads the gap or the tail."""
+    layout, model = tiny("llama", 1)
+    build("attend_past_in_place")(model)
+    feeds = feeds_for(layout)
+    past = layout.context - layout.width
+    for name in feeds:
+        if name.startswith("attention_mask"):
+            feeds[name][..., :past] = 0.0
+            feeds[name][..., 8:16] = MASK_MIN
+            feeds[name][..., 24:past] = MASK_MIN
+    before = GraphEntry(name="g", model=model.clone(), family="g", role="decode", width=1,
+                        context=layout.context)
+    want = ort_run(before, feeds)
+    build("cache_attention")(model)
+    for name in feeds:
+        if name.startswith(("past_key_", "past_value_")):
+            axis = -1 if name.startswith("past_key_") else -2
+            for gap in (slice(8, 16), slice(24, past)):
+                idx = [slice(None)] * feeds[name].ndim
+                idx[axis] = gap
+                feeds[name][tuple(idx)] = np.nan
+    got = ort_run(GraphEntry(name="g", model=model, family="g", role="decode", width=1,
+                             context=layout.context), feeds)
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,9 @@ Domain `mobc.cpu`:
   32) and float32 activations, i.e. the float model's arithmetic, at ~2.5x the speed of
   onnxruntime's own exact (accuracy_level 0) MatMulNBits on one row (passes/matmul_nbits.py uses it
   for narrow graphs).
+- `MatMulQ4I16`: the same inputs and product with each 32-block of an activation row rounded to int16
+  on its own scale (error at most max|x_b| / 65534 per element) and exact integer dot products (AVX2
+  pmaddwd), ~1.5x MatMulQ4's speed on one row.
 - `CacheAttention`: a narrow step graph's attention over the static KV cache, reading only the slots
   its mask admits (passes/cache_attention.py).
 
@@ -29,7 +32,7 @@ from pathlib import Path
 from toolchain.errors import MobcError
 
 DOMAIN = "mobc.cpu"
-OPS = ("MatMulQ4", "CacheAttention")
+OPS = ("MatMulQ4", "MatMulQ4I16", "CacheAttention")
 BLOCK = 32
 MAX_K = 32768  # the longest row the op takes (MOBC_Q4_MAX_K in q4_matmul.h)
 SOURCES = ("q4_matmul.c", "cache_attention.c", "ort_ops.c")

@@ -10,23 +10,30 @@
     int64_t L = P + Nn;                                                                             \
     float *sc = scratch;                                                                            \
     float mx = -INFINITY;                                                                           \
-    /* scores of the past slots, chunk by chunk, skipping chunks no admitted slot is in */          \
-    for (int64_t c = 0; c < P; c += CHUNK) {                                                        \
-        int64_t e = c + CHUNK < P ? c + CHUNK : P, s;                                               \
-        int any = 0;                                                                                \
-        for (s = c; s < e; s++) any |= mask[s] > MOBC_MASKED;                                       \
-        if (!any) {                                                                                 \
-            for (s = c; s < e; s++) sc[s] = -INFINITY;                                              \
-            continue;                                                                               \
+    /* scores of the past slots over runs of consecutive chunks that hold an admitted slot, row by  \
+     * row of the transposed keys, so each key row is read contiguously across the run's slots */   \
+    for (int64_t c = 0; c < P;) {                                                                   \
+        int64_t first = c;                                                                          \
+        for (; c < P; c += CHUNK) {                                                                 \
+            int64_t e = c + CHUNK < P ? c + CHUNK : P;                                              \
+            int any = 0;                                                                            \
+            for (int64_t s = c; s < e; s++) any |= mask[s] > MOBC_MASKED;                           \
+            if (!any) break;                                                                        \
         }                                                                                           \
-        float acc[CHUNK] = {0};                                                                     \
-        for (int64_t d = 0; d < D; d++) {                                                           \
-            const float qd = q[d], *k = past_key + d * P + c;                                       \
-            for (int64_t i = 0; i < e - c; i++) acc[i] += qd * k[i];                                \
+        int64_t last = c < P ? c : P; /* the run is [first, last) */                                \
+        for (int64_t s = first; s < last; s++) sc[s] = 0.0f;                                        \
+        for (int64_t d = 0; d < D && last > first; d++) {                                           \
+            const float qd = q[d], *k = past_key + d * P;                                           \
+            for (int64_t s = first; s < last; s++) sc[s] += qd * k[s];                              \
         }                                                                                           \
-        for (s = c; s < e; s++) {                                                                   \
-            sc[s] = acc[s - c] * scale + mask[s];                                                   \
+        for (int64_t s = first; s < last; s++) {                                                    \
+            sc[s] = sc[s] * scale + mask[s];                                                        \
             mx = sc[s] > mx ? sc[s] : mx;                                                           \
+        }                                                                                           \
+        if (c < P) { /* the chunk that ended the run holds no admitted slot */                      \
+            int64_t e = c + CHUNK < P ? c + CHUNK : P;                                              \
+            for (int64_t s = c; s < e; s++) sc[s] = -INFINITY;                                      \
+            c = e;                                                                                  \
         }                                                                                           \
     }                                                                                               \
     for (int64_t j = 0; j < Nn; j++) {                                                              \

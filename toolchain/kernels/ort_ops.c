@@ -2,6 +2,7 @@
  *
  * MatMulQ4(x float[..., K], codes uint8[N, K/32, 16], scales float[N, K/32], mins float[K/32, N])
  *   -> y float[..., N]: x @ W with W[32b + i, n] = scales[n, b] * q + mins[b, n] (q4_matmul.h).
+ * MatMulQ4I16: the same inputs and product, each row's 32-blocks of x rounded to int16 first.
  * CacheAttention(q float[G, H, N, D], past_key[G, 1, D, P], new_key[G, 1, D, Nn],
  *                past_value[G, 1, P, D], new_value[G, 1, Nn, D], mask[1, 1, N, P + Nn], scale[1])
  *   -> out float[G, H, N, D]: softmax(q k * scale + mask) v over the slots the mask admits
@@ -79,17 +80,23 @@ typedef struct {
     const uint8_t *codes;
     int64_t rows, K, N;
     float *y;
+    const int16_t *xq;  /* MatMulQ4I16: the rows as int16 blocks, their scales and float sums */
+    const float *xscale, *xsum;
 } Q4Call;
 
 static void q4_task(void *data, size_t task) {
     const Q4Call *c = (const Q4Call *)data;
     int64_t n0 = (int64_t)task * COLS_PER_TASK;
     int64_t n1 = n0 + COLS_PER_TASK < c->N ? n0 + COLS_PER_TASK : c->N;
-    mobc_q4_matmul_cols(c->x, c->rows, c->K, c->codes, c->d, c->m, c->N, c->y, n0, n1);
+    if (c->xq != NULL)
+        mobc_q4i16_matmul_cols(c->xq, c->xscale, c->xsum, c->rows, c->K, c->codes, c->d, c->m, c->N, c->y, n0, n1);
+    else
+        mobc_q4_matmul_cols(c->x, c->rows, c->K, c->codes, c->d, c->m, c->N, c->y, n0, n1);
 }
 
-static OrtStatus *q4_compute(void *kernel, OrtKernelContext *ctx) {
-    (void)kernel;
+/* MatMulQ4 (float32 activations) and MatMulQ4I16 (activations as int16 blocks) share everything but
+ * the inner product */
+static OrtStatus *q4_run(OrtKernelContext *ctx, int int16_activations) {
     Tensor x, q, d, m;
     CHECK(input(ctx, 0, &x));
     CHECK(input(ctx, 1, &q));
@@ -117,10 +124,24 @@ static OrtStatus *q4_compute(void *kernel, OrtKernelContext *ctx) {
     void *y = NULL;
     CHECK(API(GetTensorMutableData, GetTensorMutableDataFn)(out, &y));
     if (rows == 0 || N == 0) return NULL;
-    Q4Call call = {x.data, d.data, m.data, q.data, rows, K, N, y};
+    Q4Call call = {x.data, d.data, m.data, q.data, rows, K, N, y, NULL, NULL, NULL};
     size_t tasks = (size_t)((N + COLS_PER_TASK - 1) / COLS_PER_TASK);
-    return API(KernelContext_ParallelFor, ParallelForFn)(ctx, q4_task, tasks, 0, &call);
+    if (!int16_activations) return API(KernelContext_ParallelFor, ParallelForFn)(ctx, q4_task, tasks, 0, &call);
+    /* the rows are rounded once per call, before the column tasks share them */
+    int64_t row_blocks = rows * nb;
+    void *scratch = malloc((size_t)row_blocks * (MOBC_Q4_BLOCK * sizeof(int16_t) + 2 * sizeof(float)));
+    if (scratch == NULL) return fail("MatMulQ4I16: out of memory for %lld rows of K=%lld", rows, K);
+    float *xscale = (float *)scratch, *xsum = xscale + row_blocks;
+    int16_t *xq = (int16_t *)(xsum + row_blocks);
+    mobc_q4_quantize_i16((const float *)x.data, rows, K, xq, xscale, xsum);
+    call.xq = xq, call.xscale = xscale, call.xsum = xsum;
+    OrtStatus *st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, q4_task, tasks, 0, &call);
+    free(scratch);
+    return st;
 }
+
+static OrtStatus *q4_compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; return q4_run(ctx, 0); }
+static OrtStatus *q4i16_compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; return q4_run(ctx, 1); }
 
 /* ---- what every op here shares: stateless kernels on the CPU EP, required inputs, one float output ---- */
 
@@ -155,6 +176,10 @@ static int q4_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i =
 static size_t q4_input_count(const OrtCustomOp *op) { (void)op; return 4; }
 
 static const OrtCustomOp q4_op = CPU_OP(q4_name, q4_input_type, q4_input_count, q4_compute_v1, q4_compute);
+
+static void q4i16_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)q4i16_compute(kernel, ctx); }
+static const char *q4i16_name(const OrtCustomOp *op) { (void)op; return "MatMulQ4I16"; }
+static const OrtCustomOp q4i16_op = CPU_OP(q4i16_name, q4_input_type, q4_input_count, q4i16_compute_v1, q4i16_compute);
 
 /* ---- CacheAttention ---- */
 
@@ -228,6 +253,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     if (domain == NULL) {
         CHECK(API(CreateCustomOpDomain, CreateCustomOpDomainFn)("mobc.cpu", &domain));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &q4_op));
+        CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &q4i16_op));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &attention_op));
     }
     return API(AddCustomOpDomain, AddCustomOpDomainFn)(options, domain);

@@ -66,7 +66,8 @@ class HeadDraft:
         if HIDDEN not in outs:
             raise ArtifactError(
                 f"target {self.target.name} does not expose the features a draft head reads (no `{HIDDEN}` "
-                "output): compile it with split_lm_head (e.g. recipes/smollm2-135m.yaml) and run that artifact")
+                "output): compile it with split_lm_head (e.g. recipes/smollm2-135m.yaml) or, for the CPU form, "
+                "expose_features (recipes/smollm2-135m-cpu.yaml), and run that artifact")
 
     # ---- features --------------------------------------------------------------------------
     def _on_target_commit(self, outs: dict[str, np.ndarray], rows: list[int], slot: int) -> None:
