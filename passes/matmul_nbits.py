@@ -16,10 +16,12 @@ default), 4 quantizes activations to int8 inside the kernel (faster, no longer e
 `split_rows: R` runs graphs of at most R rows through the int8 kernel at float32 precision, their
 activations split into three int8-exact parts (passes/activation_split.py).
 `kernel_rows: R` runs the int4 projections of graphs of at most R rows as mobc's own `MatMulQ4`
-(toolchain/kernels/: float32 activations, the Q4_1 offset inside the kernel, ~2.5x level 0's speed on
-one row); it takes precedence over split_rows for those graphs. `kernel_activations: int16` makes them
-`MatMulQ4I16` instead: each 32-block of an activation row rounded to int16 on its own scale and
-exact integer dot products, ~1.5x faster, no longer float32's arithmetic (the compile's checks decide).
+(toolchain/kernels/: float32 activations, the Q4_1 offset inside the kernel, columns packed in groups
+of four, GGUF's float16 scales kept as float16; several times level 0's speed on one row); it takes
+precedence over split_rows for those graphs, and projections whose column count is no multiple of 4
+keep MatMulNBits. `kernel_activations: int16` makes them `MatMulQ4I16` instead: each 32-block of an
+activation row rounded to int16 on its own scale and exact integer dot products, faster, no longer
+float32's arithmetic (the compile's checks decide).
 Requires: MatMul weights (run it before linear_to_conv, or without it: this is the CPU form;
 check_htp refuses com.microsoft ops). Ensures: no MatMul with a constant 2-D weight on a grid the
 pass converts remains, and every MatMulNBits' packed codes match its K, N, bits and block size.
@@ -91,8 +93,9 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
 
 
 def pack_q4_kernel(codes: np.ndarray) -> np.ndarray:
-    """int4 codes [C, O] (k in -8..7) -> MatMulQ4's packed uint8 [O, C/32, 16]: per block four 32-bit
-    words, element e = 8k + j in word j % 4 at nibble 2k + (j >= 4) (toolchain/kernels/q4_matmul.h)."""
+    """int4 codes [C, O] (k in -8..7, O a multiple of 4) -> MatMulQ4's packed uint8 [O/4, C/32, 4, 16]:
+    per column block four 32-bit words, element e = 8k + j in word j % 4 at nibble 2k + (j >= 4), and
+    a block of four columns side by side (toolchain/kernels/q4_matmul.h)."""
     c, o = codes.shape
     q = (codes.astype(np.int16) + 8).astype(np.uint32).T.reshape(o, c // kernels.BLOCK, kernels.BLOCK)
     e = np.arange(kernels.BLOCK)
@@ -101,26 +104,47 @@ def pack_q4_kernel(codes: np.ndarray) -> np.ndarray:
     words = np.zeros((o, c // kernels.BLOCK, 4), np.uint32)
     for i in range(kernels.BLOCK):
         words[..., j[i] % 4] |= q[..., i] << shift[i]
-    return np.ascontiguousarray(words.astype("<u4").view(np.uint8))
+    per_column = words.astype("<u4").view(np.uint8)  # [O, C/32, 16]
+    return np.ascontiguousarray(_grouped(per_column))
 
 
 def unpack_q4_kernel(packed: np.ndarray) -> np.ndarray:
     """The inverse of pack_q4_kernel: uint8 q = k + 8 [O, C/32, 32]."""
-    words = np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
+    g, blocks = packed.shape[:2]
+    per_column = np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(g * kernels.GROUP, blocks, 16)
+    words = per_column.view("<u4").astype(np.uint32)
     e = np.arange(kernels.BLOCK)
     k, j = e // 8, e % 8
     return ((words[..., j % 4] >> (4 * (2 * k + (j >= 4)))) & 0x0F).astype(np.uint8)
 
 
+def _grouped(per_column: np.ndarray) -> np.ndarray:
+    """[O, C/32, ...] -> [O/4, C/32, 4, ...]: each block's four columns of a group side by side."""
+    o, blocks = per_column.shape[:2]
+    grouped = per_column.reshape(o // kernels.GROUP, kernels.GROUP, blocks, *per_column.shape[2:])
+    return np.swapaxes(grouped, 1, 2)
+
+
+def q4_kernel_scales(scale: np.ndarray, offset: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """A grid's per-block scales and offsets [C/32, O] as MatMulQ4's [O/4, C/32, 4] inputs: float16
+    when every value is one exactly (GGUF stores them so: half the bytes the kernel streams), else
+    float32. W = d * k + c = d * (q - 8) + c for the codes q = k + 8."""
+    c = np.zeros_like(scale) if offset is None else offset
+    d16, c16 = scale.astype(np.float16), c.astype(np.float16)
+    exact = (np.isfinite(d16).all() and np.isfinite(c16).all() and np.array_equal(d16.astype(np.float32), scale)
+             and np.array_equal(c16.astype(np.float32), c))
+    dtype = np.float16 if exact else np.float32
+    return (np.ascontiguousarray(_grouped(scale.T.astype(dtype))),
+            np.ascontiguousarray(_grouped(c.T.astype(dtype))))
+
+
 def _q4_kernel(graph: ir.Graph, node: ir.Node, fit: GridFit, base: str, shape: list[int], op: str) -> ir.Value:
-    """`x @ W` as mobc's MatMulQ4 (or MatMulQ4I16, the same inputs): W = d*k + c = d*q + (c - 8d) per
-    block, q = k + 8 in 0..15."""
-    c = fit.offset if fit.offset is not None else np.zeros_like(fit.scale)
-    mins = (c.astype(np.float64) - 8.0 * fit.scale.astype(np.float64)).astype(np.float32)  # [C/32, O]
+    """`x @ W` as mobc's MatMulQ4 (or MatMulQ4I16, the same inputs)."""
+    scales, offsets = q4_kernel_scales(fit.scale, fit.offset)
     inputs = [node.inputs[0],
               add_initializer(graph, f"{base}.q4_codes", pack_q4_kernel(fit.codes)),
-              add_initializer(graph, f"{base}.q4_scales", np.ascontiguousarray(fit.scale.T, np.float32)),
-              add_initializer(graph, f"{base}.q4_mins", np.ascontiguousarray(mins))]
+              add_initializer(graph, f"{base}.q4_scales", scales),
+              add_initializer(graph, f"{base}.q4_offsets", offsets)]
     out = new_node(graph, node, op, inputs, f"{base}/{op}", None, shape, ir.DataType.FLOAT)
     out.domain = kernels.DOMAIN
     return out.outputs[0]
@@ -140,7 +164,8 @@ def _convert(graph: ir.Graph, node: ir.Node, fit: GridFit, bits: int, block: int
     base = scope(node)
     lead = shape_of(x)[:-1]
     rows = math.prod(lead) if lead else 0  # 0: no rows axis (to stack split parts on), never narrow
-    if bits == 4 and block == kernels.BLOCK and c <= kernels.MAX_K and 0 < rows <= kernel_rows:
+    if (bits == 4 and block == kernels.BLOCK and c <= kernels.MAX_K and o % kernels.GROUP == 0
+            and 0 < rows <= kernel_rows):
         take_over(out, _q4_kernel(graph, node, fit, base, shape_of(out), kernel_op), "float")
         graph.remove(node, safe=True)
         return
@@ -219,11 +244,12 @@ class MatMulNBits(GraphPass):
             if found is not None and _fit(found, self.config.block_size, self.config.int8) is not None:
                 raise AssertionError(f"MatMul {node.name} has a weight on a block grid and was not converted")
             if node.op_type in KERNEL_OPS.values() and node.domain == kernels.DOMAIN:
-                packed, scales, mins = (const_array(v) for v in node.inputs[1:4])
-                o, blocks = scales.shape
-                if packed.shape != (o, blocks, 16) or mins.shape != (blocks, o):
-                    raise AssertionError(f"{node.name}: packed {packed.shape}, scales {scales.shape}, "
-                                         f"mins {mins.shape} disagree")
+                packed, scales, offsets = (const_array(v) for v in node.inputs[1:4])
+                groups, blocks = scales.shape[:2]
+                if (packed.shape != (groups, blocks, kernels.GROUP, 16) or scales.shape != (groups, blocks, kernels.GROUP)
+                        or offsets.shape != scales.shape or offsets.dtype != scales.dtype):
+                    raise AssertionError(f"{node.name}: packed {packed.shape}, scales {scales.shape} {scales.dtype}, "
+                                         f"offsets {offsets.shape} {offsets.dtype} disagree")
             if node.op_type == "MatMulNBits":
                 a = {k: v.value for k, v in node.attributes.items()}
                 packed = const_array(node.inputs[1])

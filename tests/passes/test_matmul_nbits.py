@@ -198,3 +198,38 @@ def test_kernel_rows_run_mobcs_exact_int4_op():
     assert {lv for lv, _ in _level_and_rows(by_width[4])} == {0}
     assert not any(n.op_type == "MatMulQ4" for n in by_width[4].model.graph)
     build({"matmul_nbits": {"kernel_rows": 1}}).ensures(by_width[1].model)
+
+
+def test_kernel_activations_int16_run_the_int16_op():
+    """kernel_activations: int16 makes the same projections MatMulQ4I16: each activation block rounded
+    to int16, so the graph moves by about 1e-4 of its outputs' range where MatMulQ4 moves 1e-7."""
+    from toolchain import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler for mobc's CPU kernels")
+    gs, feeds = graphset_for("llama", (1,))
+    int4 = sum(g != "q8_0" for g in _on_grids(gs).values())
+    spec = {"matmul_nbits": {"kernel_rows": 1, "kernel_activations": "int16"}}
+    out, rows = run_passes(gs, ["fold_constants", spec], 1e-2, feeds)
+    assert 1e-6 < rows[-1]["worst"]["diff"] < 1e-3
+    ops = [n.op_type for n in out.entries["decode"].model.graph if n.domain == kernels.DOMAIN]
+    assert ops.count("MatMulQ4I16") == int4 and "MatMulQ4" not in ops
+    build(spec).ensures(out.entries["decode"].model)
+
+
+def test_a_column_count_off_the_kernels_groups_keeps_matmulnbits():
+    """MatMulQ4 packs columns in groups of four: a projection of 6 columns stays MatMulNBits."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from toolchain import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler for mobc's CPU kernels")
+    w = _q4_0(np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32))
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="proj/MatMul")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 6])],
+                              [numpy_helper.from_array(w, "w")])
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    assert build({"matmul_nbits": {"kernel_rows": 1}})(model).modified
+    assert [n.op_type for n in model.graph] == ["MatMulNBits"]

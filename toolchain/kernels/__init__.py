@@ -2,12 +2,13 @@
 
 Domain `mobc.cpu`:
 - `MatMulQ4`: x[..., K] @ W[K, N] with W on a 4-bit block grid (GGUF's Q4_0 and Q4_1 codes, blocks of
-  32) and float32 activations, i.e. the float model's arithmetic, at ~2.5x the speed of
-  onnxruntime's own exact (accuracy_level 0) MatMulNBits on one row (passes/matmul_nbits.py uses it
-  for narrow graphs).
+  32; columns packed in groups of four, so a block of four columns is one 64-byte line; GGUF's
+  float16 scales and offsets kept as float16) and float32 activations, i.e. the float model's
+  arithmetic, several times the speed of onnxruntime's own exact (accuracy_level 0) MatMulNBits on
+  one row (passes/matmul_nbits.py uses it for narrow graphs).
 - `MatMulQ4I16`: the same inputs and product with each 32-block of an activation row rounded to int16
   on its own scale (error at most max|x_b| / 65534 per element) and exact integer dot products (AVX2
-  pmaddwd), ~1.5x MatMulQ4's speed on one row.
+  pmaddwd): faster, no longer float32's arithmetic.
 - `CacheAttention`: a narrow step graph's attention over the static KV cache, reading only the slots
   its mask admits (passes/cache_attention.py).
 
@@ -34,6 +35,7 @@ from toolchain.errors import MobcError
 DOMAIN = "mobc.cpu"
 OPS = ("MatMulQ4", "MatMulQ4I16", "CacheAttention")
 BLOCK = 32
+GROUP = 4  # columns per group of the packed layout (MOBC_Q4_GROUP)
 MAX_K = 32768  # the longest row the op takes (MOBC_Q4_MAX_K in q4_matmul.h)
 SOURCES = ("q4_matmul.c", "cache_attention.c", "ort_ops.c")
 HEADERS = ("q4_matmul.h", "cache_attention.h", "ort_abi.h")

@@ -16,7 +16,7 @@ typedef struct OrtCustomOpDomain OrtCustomOpDomain;
 typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
 typedef struct OrtApi OrtApi;  /* opaque: reached through mobc_ort_fn below */
 
-enum { ORT_ELEMENT_FLOAT = 1, ORT_ELEMENT_UINT8 = 2 };  /* ONNXTensorElementDataType */
+enum { ORT_ELEMENT_UNDEFINED = 0, ORT_ELEMENT_FLOAT = 1, ORT_ELEMENT_UINT8 = 2, ORT_ELEMENT_FLOAT16 = 10 };  /* ONNXTensorElementDataType */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };        /* OrtErrorCode */
 enum { ORT_IO_REQUIRED = 0 };                           /* OrtCustomOpInputOutputCharacteristic */
 enum { ORT_MEM_DEFAULT = 0 };                           /* OrtMemType */

@@ -1,7 +1,8 @@
 /* onnxruntime custom-op glue for mobc's CPU kernels (domain "mobc.cpu").
  *
- * MatMulQ4(x float[..., K], codes uint8[N, K/32, 16], scales float[N, K/32], mins float[K/32, N])
- *   -> y float[..., N]: x @ W with W[32b + i, n] = scales[n, b] * q + mins[b, n] (q4_matmul.h).
+ * MatMulQ4(x float[..., K], codes uint8[N/4, K/32, 4, 16], scales T[N/4, K/32, 4], offsets T[N/4, K/32, 4])
+ *   -> y float[..., N], T float or float16: x @ W with W[32b + i, 4g + c] = scales[g, b, c] * (q - 8)
+ *   + offsets[g, b, c] (q4_matmul.h).
  * MatMulQ4I16: the same inputs and product, each row's 32-blocks of x rounded to int16 first.
  * CacheAttention(q float[G, H, N, D], past_key[G, 1, D, P], new_key[G, 1, D, Nn],
  *                past_value[G, 1, P, D], new_value[G, 1, Nn, D], mask[1, 1, N, P + Nn], scale[1])
@@ -73,46 +74,50 @@ static OrtStatus *input(OrtKernelContext *ctx, size_t index, Tensor *t) {
 
 /* ---- MatMulQ4 ---- */
 
-#define COLS_PER_TASK 32  /* a task's columns: 32 x K/32 blocks; SmolLM2's 576 columns make 18 tasks, even on two threads */
+#define GROUPS_PER_TASK 8  /* a task's columns: 8 groups of 4 x K/32 blocks; SmolLM2's 576 columns make 18 tasks, even on two threads */
 
 typedef struct {
-    const float *x, *d, *m;
-    const uint8_t *codes;
-    int64_t rows, K, N;
+    const float *x, *xsum;
+    MobcQ4Weights w;
+    int64_t rows;
     float *y;
-    const int16_t *xq;  /* MatMulQ4I16: the rows as int16 blocks, their scales and float sums */
-    const float *xscale, *xsum;
+    const int16_t *xq;  /* MatMulQ4I16: the rows as int16 blocks and their scales */
+    const float *xscale;
 } Q4Call;
 
 static void q4_task(void *data, size_t task) {
     const Q4Call *c = (const Q4Call *)data;
-    int64_t n0 = (int64_t)task * COLS_PER_TASK;
-    int64_t n1 = n0 + COLS_PER_TASK < c->N ? n0 + COLS_PER_TASK : c->N;
+    int64_t groups = c->w.N / MOBC_Q4_GROUP, g0 = (int64_t)task * GROUPS_PER_TASK;
+    int64_t g1 = g0 + GROUPS_PER_TASK < groups ? g0 + GROUPS_PER_TASK : groups;
     if (c->xq != NULL)
-        mobc_q4i16_matmul_cols(c->xq, c->xscale, c->xsum, c->rows, c->K, c->codes, c->d, c->m, c->N, c->y, n0, n1);
+        mobc_q4i16_matmul(c->xq, c->xscale, c->xsum, c->rows, &c->w, c->y, g0, g1);
     else
-        mobc_q4_matmul_cols(c->x, c->rows, c->K, c->codes, c->d, c->m, c->N, c->y, n0, n1);
+        mobc_q4_matmul(c->x, c->xsum, c->rows, &c->w, c->y, g0, g1);
 }
 
 /* MatMulQ4 (float32 activations) and MatMulQ4I16 (activations as int16 blocks) share everything but
  * the inner product */
 static OrtStatus *q4_run(OrtKernelContext *ctx, int int16_activations) {
-    Tensor x, q, d, m;
+    Tensor x, q, d, o;
     CHECK(input(ctx, 0, &x));
     CHECK(input(ctx, 1, &q));
     CHECK(input(ctx, 2, &d));
-    CHECK(input(ctx, 3, &m));
-    if (x.elem != ORT_ELEMENT_FLOAT || q.elem != ORT_ELEMENT_UINT8 || d.elem != ORT_ELEMENT_FLOAT ||
-        m.elem != ORT_ELEMENT_FLOAT)
-        return fail("MatMulQ4: inputs must be float x, uint8 codes, float scales, float mins%.0lld%.0lld", 0, 0);
-    if (x.rank < 1 || q.rank != 3 || d.rank != 2 || m.rank != 2 || q.dims[2] != MOBC_Q4_BLOCK / 2)
-        return fail("MatMulQ4: codes must be [N, K/32, 16], scales [N, K/32] (ranks %lld, %lld)",
-                    (int64_t)q.rank, (int64_t)d.rank);
-    int64_t K = x.dims[x.rank - 1], N = q.dims[0], nb = q.dims[1];
+    CHECK(input(ctx, 3, &o));
+    if (x.elem != ORT_ELEMENT_FLOAT || q.elem != ORT_ELEMENT_UINT8 || d.elem != o.elem ||
+        (d.elem != ORT_ELEMENT_FLOAT && d.elem != ORT_ELEMENT_FLOAT16))
+        return fail("MatMulQ4: inputs must be float x, uint8 codes, and scales and offsets both float or both "
+                    "float16 (element types %lld, %lld)", d.elem, o.elem);
+    if (x.rank < 1 || q.rank != 4 || d.rank != 3 || o.rank != 3 || q.dims[2] != MOBC_Q4_GROUP ||
+        q.dims[3] != MOBC_Q4_BLOCK / 2)
+        return fail("MatMulQ4: codes must be [N/4, K/32, 4, 16], scales and offsets [N/4, K/32, 4] (ranks "
+                    "%lld, %lld); an artifact compiled before this layout needs recompiling", (int64_t)q.rank,
+                    (int64_t)d.rank);
+    int64_t K = x.dims[x.rank - 1], groups = q.dims[0], nb = q.dims[1], N = groups * MOBC_Q4_GROUP;
     if (K != nb * MOBC_Q4_BLOCK) return fail("MatMulQ4: x has K=%lld but the codes hold K=%lld", K, nb * MOBC_Q4_BLOCK);
     if (K > MOBC_Q4_MAX_K) return fail("MatMulQ4: K=%lld exceeds the kernel's %lld", K, MOBC_Q4_MAX_K);
-    if (d.dims[0] != N || d.dims[1] != nb || m.dims[0] != nb || m.dims[1] != N)
-        return fail("MatMulQ4: scales [N, K/32] and mins [K/32, N] disagree with the codes (N=%lld, K/32=%lld)", N, nb);
+    for (const Tensor *t = &d; t != NULL; t = t == &d ? &o : NULL)
+        if (t->dims[0] != groups || t->dims[1] != nb || t->dims[2] != MOBC_Q4_GROUP)
+            return fail("MatMulQ4: scales and offsets must be [N/4, K/32, 4] = [%lld, %lld, 4]", groups, nb);
     int64_t rows = 1, dims[MAX_DIMS];
     for (size_t i = 0; i + 1 < x.rank; i++) {
         rows *= x.dims[i];
@@ -124,17 +129,21 @@ static OrtStatus *q4_run(OrtKernelContext *ctx, int int16_activations) {
     void *y = NULL;
     CHECK(API(GetTensorMutableData, GetTensorMutableDataFn)(out, &y));
     if (rows == 0 || N == 0) return NULL;
-    Q4Call call = {x.data, d.data, m.data, q.data, rows, K, N, y, NULL, NULL, NULL};
-    size_t tasks = (size_t)((N + COLS_PER_TASK - 1) / COLS_PER_TASK);
-    if (!int16_activations) return API(KernelContext_ParallelFor, ParallelForFn)(ctx, q4_task, tasks, 0, &call);
-    /* the rows are rounded once per call, before the column tasks share them */
+    /* each row's block sums (and, for MatMulQ4I16, its int16 blocks) computed once per call, before
+     * the column tasks share them */
     int64_t row_blocks = rows * nb;
-    void *scratch = malloc((size_t)row_blocks * (MOBC_Q4_BLOCK * sizeof(int16_t) + 2 * sizeof(float)));
-    if (scratch == NULL) return fail("MatMulQ4I16: out of memory for %lld rows of K=%lld", rows, K);
-    float *xscale = (float *)scratch, *xsum = xscale + row_blocks;
-    int16_t *xq = (int16_t *)(xsum + row_blocks);
-    mobc_q4_quantize_i16((const float *)x.data, rows, K, xq, xscale, xsum);
-    call.xq = xq, call.xscale = xscale, call.xsum = xsum;
+    size_t bytes = (size_t)row_blocks * (2 * sizeof(float) + (int16_activations ? MOBC_Q4_BLOCK * sizeof(int16_t) : 0));
+    void *scratch = malloc(bytes);
+    if (scratch == NULL) return fail("MatMulQ4: out of memory for %lld rows of K=%lld", rows, K);
+    float *xsum = (float *)scratch, *xscale = xsum + row_blocks;
+    int16_t *xq = int16_activations ? (int16_t *)(xscale + row_blocks) : NULL;
+    if (int16_activations)
+        mobc_q4_quantize_i16((const float *)x.data, rows, K, xq, xscale, xsum);
+    else
+        mobc_q4_block_sums((const float *)x.data, rows, K, xsum);
+    MobcQ4Weights w = {q.data, d.data, o.data, d.elem == ORT_ELEMENT_FLOAT16, K, N};
+    Q4Call call = {x.data, xsum, w, rows, y, xq, xscale};
+    size_t tasks = (size_t)((groups + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK);
     OrtStatus *st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, q4_task, tasks, 0, &call);
     free(scratch);
     return st;
@@ -172,7 +181,11 @@ static int arity_one(const OrtCustomOp *op) { (void)op; return 1; }
 
 static void q4_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)q4_compute(kernel, ctx); }
 static const char *q4_name(const OrtCustomOp *op) { (void)op; return "MatMulQ4"; }
-static int q4_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? ORT_ELEMENT_UINT8 : ORT_ELEMENT_FLOAT; }
+/* scales and offsets: float or float16 (UNDEFINED lets onnxruntime accept either; q4_run checks) */
+static int q4_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? ORT_ELEMENT_FLOAT : i == 1 ? ORT_ELEMENT_UINT8 : ORT_ELEMENT_UNDEFINED;
+}
 static size_t q4_input_count(const OrtCustomOp *op) { (void)op; return 4; }
 
 static const OrtCustomOp q4_op = CPU_OP(q4_name, q4_input_type, q4_input_count, q4_compute_v1, q4_compute);

@@ -1,47 +1,69 @@
-/* The int4 block-grid matmul with float32 activations (see q4_matmul.h).
+/* The int4 block-grid matmul (see q4_matmul.h): float32 activations (MatMulQ4) or activations
+ * rounded to int16 per block (MatMulQ4I16).
  *
  * Why not onnxruntime's MatMulNBits: at accuracy_level 0 (float activations, exact) its CPU kernel
  * runs one row at ~4.4 GMAC/s on an AVX2 machine without VNNI, and level 4 rounds activations to
- * int8. Here each block's 32 codes are widened to floats once and reused for every row, the
- * per-block scale applied once per block and the per-block minimum through the block's activation
- * sum: y = sum_b d_b * (q_b . x_b) + m_b * sum(x_b), float32 throughout. */
+ * int8. Here y = sum_b d_b * (q_b . x_b) + (o_b - 8 d_b) * sum(x_b) per column, each block's 32
+ * codes widened once and the offsets applied through the block's activation sum. */
 #include "q4_matmul.h"
 
 #include <math.h>
-
+#include <string.h>
 
 #define ROW_TILE 4
+#define BLOCK_BYTES (MOBC_Q4_BLOCK / 2)
+#define GROUP_BYTES (MOBC_Q4_GROUP * BLOCK_BYTES) /* one block of a group's four columns: 64 bytes */
 
-/* block sums of x: xs[r, b] = sum(x[r, 32b .. 32b + 31]) */
-static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
-    int64_t nb = K / MOBC_Q4_BLOCK;
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *p = x + r * K + b * MOBC_Q4_BLOCK;
-            float s = 0.0f;
-            for (int i = 0; i < MOBC_Q4_BLOCK; i++) s += p[i];
-            xs[r * nb + b] = s;
-        }
+float mobc_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13); /* inf, nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else {
+        float f = (float)man * (1.0f / 16777216.0f); /* subnormal: man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-static void cols_portable(const float *x, int64_t M, int64_t K, const uint8_t *packed, const float *d,
-                          const float *m, int64_t N, float *y, int64_t n0, int64_t n1, const float *xs) {
-    int64_t nb = K / MOBC_Q4_BLOCK;
-    float w[MOBC_Q4_BLOCK];
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t r = 0; r < M; r++) y[r * N + n] = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *q = packed + (n * nb + b) * (MOBC_Q4_BLOCK / 2);
-            for (int e = 0; e < MOBC_Q4_BLOCK; e++) w[e] = (float)mobc_q4_code(q, e);
-            float db = d[n * nb + b], mb = m[b * N + n];
-            for (int64_t r = 0; r < M; r++) {
-                const float *xb = x + r * K + b * MOBC_Q4_BLOCK;
-                float t = 0.0f;
-                for (int i = 0; i < MOBC_Q4_BLOCK; i++) t += w[i] * xb[i];
-                y[r * N + n] += db * t + mb * xs[r * nb + b];
-            }
-        }
+/* scale and offset of column c of group g at block b, as floats */
+static inline float scale_at(const MobcQ4Weights *w, int64_t i) {
+    return w->half ? mobc_half_to_float(((const uint16_t *)w->scales)[i]) : ((const float *)w->scales)[i];
+}
+static inline float offset_at(const MobcQ4Weights *w, int64_t i) {
+    return w->half ? mobc_half_to_float(((const uint16_t *)w->offsets)[i]) : ((const float *)w->offsets)[i];
+}
+
+void mobc_q4_block_sums(const float *x, int64_t M, int64_t K, float *xsum) {
+    for (int64_t rb = 0; rb < M * (K / MOBC_Q4_BLOCK); rb++) {
+        const float *p = x + rb * MOBC_Q4_BLOCK;
+        float s = 0.0f;
+        for (int i = 0; i < MOBC_Q4_BLOCK; i++) s += p[i];
+        xsum[rb] = s;
     }
+}
+
+void mobc_q4_matmul_portable(const float *x, const float *xsum, int64_t M, const MobcQ4Weights *w, float *y,
+                             int64_t g0, int64_t g1) {
+    int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = g0; g < g1; g++)
+            for (int c = 0; c < MOBC_Q4_GROUP; c++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    int64_t i = (g * nb + b) * MOBC_Q4_GROUP + c;
+                    const uint8_t *q = w->codes + i * BLOCK_BYTES;
+                    const float *xb = x + r * K + b * MOBC_Q4_BLOCK;
+                    float t = 0.0f;
+                    for (int e = 0; e < MOBC_Q4_BLOCK; e++) t += (float)mobc_q4_code(q, e) * xb[e];
+                    float d = scale_at(w, i), s = xsum[r * nb + b];
+                    acc += d * t + (offset_at(w, i) * s - 8.0f * d * s);
+                }
+                y[r * N + g * MOBC_Q4_GROUP + c] = acc;
+            }
 }
 
 /* ---- 16-bit integer activations (MatMulQ4I16) ---- */
@@ -74,28 +96,30 @@ void mobc_q4_quantize_i16_portable(const float *x, int64_t M, int64_t K, int16_t
     }
 }
 
-void mobc_q4i16_matmul_cols_portable(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
-                                     int64_t K, const uint8_t *packed, const float *d, const float *m,
-                                     int64_t N, float *y, int64_t n0, int64_t n1) {
-    int64_t nb = K / MOBC_Q4_BLOCK;
+void mobc_q4i16_matmul_portable(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
+                                const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1) {
+    int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
     for (int64_t r = 0; r < M; r++)
-        for (int64_t n = n0; n < n1; n++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *q = packed + (n * nb + b) * (MOBC_Q4_BLOCK / 2);
-                const int16_t *p = xq + (r * nb + b) * MOBC_Q4_BLOCK;
-                int32_t t = 0;
-                for (int i = 0; i < 16; i++) t += (q[i] & 0x0F) * p[i] + (q[i] >> 4) * p[16 + i];
-                acc += (float)t * (d[n * nb + b] * xscale[r * nb + b]) + m[b * N + n] * xsum[r * nb + b];
+        for (int64_t g = g0; g < g1; g++)
+            for (int c = 0; c < MOBC_Q4_GROUP; c++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    int64_t i = (g * nb + b) * MOBC_Q4_GROUP + c;
+                    const uint8_t *q = w->codes + i * BLOCK_BYTES;
+                    const int16_t *p = xq + (r * nb + b) * MOBC_Q4_BLOCK;
+                    int32_t t = 0;
+                    for (int k = 0; k < 16; k++) t += (q[k] & 0x0F) * p[k] + (q[k] >> 4) * p[16 + k];
+                    float d = scale_at(w, i), s = xsum[r * nb + b];
+                    acc += (float)t * (d * xscale[r * nb + b]) + (offset_at(w, i) * s - 8.0f * d * s);
+                }
+                y[r * N + g * MOBC_Q4_GROUP + c] = acc;
             }
-            y[r * N + n] = acc;
-        }
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 AVX2 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -104,9 +128,44 @@ AVX2 static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* one block's 32 codes as four vectors of 8 floats (elements 0-7, 8-15, 16-23, 24-31). The block's
- * 16 bytes are four 32-bit words; lane j of vector k reads nibble 2k + (j >= 4) of word j % 4, so
- * a broadcast load, a per-lane shift, a mask and a conversion widen them, with no shuffles. */
+/* four horizontal sums at once: lane c of the result is the sum of v[c] */
+AVX2 static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    __m256 a = _mm256_hadd_ps(v0, v1), b = _mm256_hadd_ps(v2, v3);
+    __m256 c = _mm256_hadd_ps(a, b); /* per 128-bit half: v0 v1 v2 v3 partial sums */
+    return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+
+/* the four columns' scales or offsets of one group block (index i of its first column) */
+AVX2 static inline __m128 four(const void *base, int half, int64_t i) {
+    if (half) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)base + i)));
+    return _mm_loadu_ps((const float *)base + i);
+}
+
+/* lane c of v in all eight lanes */
+AVX2 static inline __m256 lane(__m256 v2, int c) {
+    switch (c) {
+    case 0: return _mm256_permute_ps(v2, 0x00);
+    case 1: return _mm256_permute_ps(v2, 0x55);
+    case 2: return _mm256_permute_ps(v2, 0xAA);
+    default: return _mm256_permute_ps(v2, 0xFF);
+    }
+}
+
+/* the offsets' share of a group's four columns for one row: sum_b (o_b - 8 d_b) * sum(x_b) */
+AVX2 static inline __m128 offset_share(const MobcQ4Weights *w, const float *xsum_row, int64_t g, int64_t nb) {
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t i = (g * nb + b) * MOBC_Q4_GROUP;
+        __m128 s = _mm_set1_ps(xsum_row[b]);
+        acc = _mm_fmadd_ps(four(w->offsets, w->half, i), s, acc);
+        acc = _mm_fmadd_ps(four(w->scales, w->half, i), _mm_mul_ps(s, _mm_set1_ps(-8.0f)), acc);
+    }
+    return acc;
+}
+
+/* one block's 32 codes as four vectors of 8 floats (elements 0-7, 8-15, 16-23, 24-31): lane j of
+ * vector k reads nibble 2k + (j >= 4) of word j % 4, so a broadcast load, a per-lane shift, a mask
+ * and a conversion widen them, with no shuffles */
 AVX2 static inline void widen(const uint8_t *q, __m256 w[4]) {
     __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
     __m256i mask = _mm256_set1_epi32(0x0F);
@@ -116,117 +175,75 @@ AVX2 static inline void widen(const uint8_t *q, __m256 w[4]) {
     }
 }
 
-/* adds the minimum's share to columns [n0, n1) of every row: y[r, n] += sum_b m[b, n] * xs[r, b]
- * (m block-major, so each block's minimums are a contiguous run of columns) */
-AVX2 static void add_offsets(int64_t rows, const float *m, const float *xs, int64_t nb, int64_t N,
-                             float *y, int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *yr = y + r * N;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *mb = m + b * N;
-            __m256 s = _mm256_set1_ps(xs[r * nb + b]);
-            int64_t n = n0;
-            for (; n + 8 <= n1; n += 8)
-                _mm256_storeu_ps(yr + n, _mm256_fmadd_ps(_mm256_loadu_ps(mb + n), s, _mm256_loadu_ps(yr + n)));
-            for (; n < n1; n++) yr[n] += mb[n] * xs[r * nb + b];
-        }
-    }
-}
-
-/* four horizontal sums at once: lane c of the result is the sum of v[c] */
-AVX2 static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
-    __m256 a = _mm256_hadd_ps(v0, v1), b = _mm256_hadd_ps(v2, v3);
-    __m256 c = _mm256_hadd_ps(a, b);  /* per 128-bit half: v0 v1 v2 v3 partial sums */
-    return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
-}
-
-/* one row, four columns at a time: each block's activations loaded once for four columns, whose
- * independent accumulations hide each other's latency */
-AVX2 static void cols_avx2_one_row(const float *x, int64_t K, const uint8_t *packed, const float *d,
-                                   float *y, int64_t n0, int64_t n1) {
-    int64_t nb = K / MOBC_Q4_BLOCK, stride = nb * (MOBC_Q4_BLOCK / 2);
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
+/* one row: each block's activations loaded once for a group's four columns, whose independent
+ * accumulations hide each other's latency */
+AVX2 static void float_one_row(const float *x, const float *xsum, const MobcQ4Weights *w, float *y,
+                               int64_t g0, int64_t g1) {
+    int64_t nb = w->K / MOBC_Q4_BLOCK;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *q = w->codes + g * nb * GROUP_BYTES;
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t b = 0; b < nb; b++) {
+        for (int64_t b = 0; b < nb; b++, q += GROUP_BYTES) {
             const float *xb = x + b * MOBC_Q4_BLOCK;
             __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
             __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-            for (int c = 0; c < 4; c++) {
-                __m256 w[4];
-                widen(packed + (n + c) * stride + b * (MOBC_Q4_BLOCK / 2), w);
-                __m256 t0 = _mm256_fmadd_ps(w[2], x2, _mm256_mul_ps(w[0], x0));
-                __m256 t1 = _mm256_fmadd_ps(w[3], x3, _mm256_mul_ps(w[1], x1));
-                acc[c] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(d[(n + c) * nb + b]), acc[c]);
+            __m128 d = four(w->scales, w->half, (g * nb + b) * MOBC_Q4_GROUP);
+            __m256 d2 = _mm256_set_m128(d, d);
+            for (int c = 0; c < MOBC_Q4_GROUP; c++) {
+                __m256 v[4];
+                widen(q + c * BLOCK_BYTES, v);
+                __m256 t0 = _mm256_fmadd_ps(v[2], x2, _mm256_mul_ps(v[0], x0));
+                __m256 t1 = _mm256_fmadd_ps(v[3], x3, _mm256_mul_ps(v[1], x1));
+                acc[c] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), lane(d2, c), acc[c]);
             }
         }
-        _mm_storeu_ps(y + n, hsum4(acc[0], acc[1], acc[2], acc[3]));
-    }
-    for (; n < n1; n++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + b * MOBC_Q4_BLOCK;
-            __m256 w[4];
-            widen(packed + n * stride + b * (MOBC_Q4_BLOCK / 2), w);
-            __m256 t0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), _mm256_mul_ps(w[0], _mm256_loadu_ps(xb)));
-            __m256 t1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8)));
-            acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(d[n * nb + b]), acc);
-        }
-        y[n] = hsum(acc);
+        __m128 out = _mm_add_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), offset_share(w, xsum, g, nb));
+        _mm_storeu_ps(y + g * MOBC_Q4_GROUP, out);
     }
 }
 
-/* one block's share for ROWS rows: 32 codes widened once, four independent products per row */
-#define BLOCK_PRODUCT(ROWS, W, DB, B, ACC)                                                        \
-    for (int r = 0; r < (ROWS); r++) {                                                           \
-        const float *xb = x + r * K + (B) * MOBC_Q4_BLOCK;                                       \
-        __m256 t0 = _mm256_mul_ps((W)[0], _mm256_loadu_ps(xb));                                  \
-        __m256 t1 = _mm256_mul_ps((W)[1], _mm256_loadu_ps(xb + 8));                              \
-        t0 = _mm256_fmadd_ps((W)[2], _mm256_loadu_ps(xb + 16), t0);                              \
-        t1 = _mm256_fmadd_ps((W)[3], _mm256_loadu_ps(xb + 24), t1);                              \
-        (ACC)[r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), (DB), (ACC)[r]);                       \
-    }
-
-/* ROWS (a compile-time 1..ROW_TILE) rows; blocks in pairs on two accumulator sets, so consecutive
- * blocks do not wait on each other's accumulation */
-AVX2 static inline __attribute__((always_inline)) void cols_avx2(
-    const int ROWS, const float *x, int64_t K, const uint8_t *packed, const float *d,
-    int64_t N, float *y, int64_t n0, int64_t n1) {
-    int64_t nb = K / MOBC_Q4_BLOCK;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *q = packed + n * nb * (MOBC_Q4_BLOCK / 2);
-        const float *dn = d + n * nb;
-        __m256 even[ROW_TILE], odd[ROW_TILE];
-        for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm256_setzero_ps();
-        int64_t b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            __m256 w0[4], w1[4];
-            widen(q + b * (MOBC_Q4_BLOCK / 2), w0);
-            widen(q + (b + 1) * (MOBC_Q4_BLOCK / 2), w1);
-            __m256 d0 = _mm256_set1_ps(dn[b]), d1 = _mm256_set1_ps(dn[b + 1]);
-            BLOCK_PRODUCT(ROWS, w0, d0, b, even)
-            BLOCK_PRODUCT(ROWS, w1, d1, b + 1, odd)
+/* ROWS (a compile-time 2..ROW_TILE) rows: each block's codes widened once for every row; a group's
+ * columns one after another (the group's lines stay in L1 for the next column) */
+AVX2 static inline __attribute__((always_inline)) void float_rows(
+    const int ROWS, const float *x, const float *xsum, const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1) {
+    int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
+    for (int64_t g = g0; g < g1; g++) {
+        float sums[ROW_TILE][MOBC_Q4_GROUP];
+        for (int c = 0; c < MOBC_Q4_GROUP; c++) {
+            const uint8_t *q = w->codes + g * nb * GROUP_BYTES + c * BLOCK_BYTES;
+            __m256 acc[ROW_TILE];
+            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++, q += GROUP_BYTES) {
+                __m256 v[4];
+                widen(q, v);
+                int64_t i = (g * nb + b) * MOBC_Q4_GROUP + c;
+                __m256 d = _mm256_set1_ps(w->half ? _cvtsh_ss(((const uint16_t *)w->scales)[i]) : ((const float *)w->scales)[i]);
+                for (int r = 0; r < ROWS; r++) {
+                    const float *xb = x + r * K + b * MOBC_Q4_BLOCK;
+                    __m256 t0 = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+                    __m256 t1 = _mm256_mul_ps(v[1], _mm256_loadu_ps(xb + 8));
+                    t0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t0);
+                    t1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t1);
+                    acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc[r]);
+                }
+            }
+            for (int r = 0; r < ROWS; r++) sums[r][c] = hsum(acc[r]);
         }
-        if (b < nb) {
-            __m256 w0[4];
-            widen(q + b * (MOBC_Q4_BLOCK / 2), w0);
-            __m256 d0 = _mm256_set1_ps(dn[b]);
-            BLOCK_PRODUCT(ROWS, w0, d0, b, even)
+        for (int r = 0; r < ROWS; r++) {
+            __m128 out = _mm_add_ps(_mm_loadu_ps(sums[r]), offset_share(w, xsum + r * nb, g, nb));
+            _mm_storeu_ps(y + r * N + g * MOBC_Q4_GROUP, out);
         }
-        for (int r = 0; r < ROWS; r++) y[r * N + n] = hsum(_mm256_add_ps(even[r], odd[r]));
     }
 }
 
-AVX2 static void cols_avx2_rows(int64_t rows, const float *x, int64_t K, const uint8_t *packed,
-                                const float *d, const float *m, int64_t N, float *y, int64_t n0,
-                                int64_t n1, const float *xs) {
+AVX2 static void float_tile(int64_t rows, const float *x, const float *xsum, const MobcQ4Weights *w, float *y,
+                            int64_t g0, int64_t g1) {
     switch (rows) {
-    case 1: cols_avx2_one_row(x, K, packed, d, y, n0, n1); break;
-    case 2: cols_avx2(2, x, K, packed, d, N, y, n0, n1); break;
-    case 3: cols_avx2(3, x, K, packed, d, N, y, n0, n1); break;
-    default: cols_avx2(4, x, K, packed, d, N, y, n0, n1); break;
+    case 1: float_one_row(x, xsum, w, y, g0, g1); break;
+    case 2: float_rows(2, x, xsum, w, y, g0, g1); break;
+    case 3: float_rows(3, x, xsum, w, y, g0, g1); break;
+    default: float_rows(4, x, xsum, w, y, g0, g1); break;
     }
-    add_offsets(rows, m, xs, K / MOBC_Q4_BLOCK, N, y, n0, n1);
 }
 
 /* one block's integer dot product q_b . p_b as 8 int32 lanes: the 16 bytes widened to 16-bit lanes,
@@ -238,34 +255,29 @@ AVX2 static inline __m256i i16_block_dot(const uint8_t *q, __m256i lo_x, __m256i
     return _mm256_add_epi32(_mm256_madd_epi16(lo, lo_x), _mm256_madd_epi16(hi, hi_x));
 }
 
-/* one row, four columns at a time (each block's activations loaded once for four columns) */
-AVX2 static void i16_cols_one_row(const int16_t *xq, const float *xscale, int64_t K, const uint8_t *packed,
-                                  const float *d, float *y, int64_t n0, int64_t n1) {
-    int64_t nb = K / MOBC_Q4_BLOCK, stride = nb * (MOBC_Q4_BLOCK / 2);
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i lo_x = _mm256_loadu_si256((const __m256i *)(xq + b * MOBC_Q4_BLOCK));
-            __m256i hi_x = _mm256_loadu_si256((const __m256i *)(xq + b * MOBC_Q4_BLOCK + 16));
-            float s = xscale[b];
-            for (int c = 0; c < 4; c++) {
-                __m256i t = i16_block_dot(packed + (n + c) * stride + b * (MOBC_Q4_BLOCK / 2), lo_x, hi_x);
-                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d[(n + c) * nb + b] * s), acc[c]);
+/* every row of a group in turn (the group's lines stay in L1 for the next row) */
+AVX2 static void i16_rows(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
+                          const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1) {
+    int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t r = 0; r < M; r++) {
+            const uint8_t *q = w->codes + g * nb * GROUP_BYTES;
+            const int16_t *xr = xq + r * K;
+            const float *sr = xscale + r * nb;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t b = 0; b < nb; b++, q += GROUP_BYTES) {
+                __m256i lo_x = _mm256_loadu_si256((const __m256i *)(xr + b * MOBC_Q4_BLOCK));
+                __m256i hi_x = _mm256_loadu_si256((const __m256i *)(xr + b * MOBC_Q4_BLOCK + 16));
+                __m128 d = _mm_mul_ps(four(w->scales, w->half, (g * nb + b) * MOBC_Q4_GROUP), _mm_set1_ps(sr[b]));
+                __m256 d2 = _mm256_set_m128(d, d);
+                for (int c = 0; c < MOBC_Q4_GROUP; c++) {
+                    __m256i t = i16_block_dot(q + c * BLOCK_BYTES, lo_x, hi_x);
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), lane(d2, c), acc[c]);
+                }
             }
+            __m128 out = _mm_add_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), offset_share(w, xsum + r * nb, g, nb));
+            _mm_storeu_ps(y + r * N + g * MOBC_Q4_GROUP, out);
         }
-        _mm_storeu_ps(y + n, hsum4(acc[0], acc[1], acc[2], acc[3]));
-    }
-    for (; n < n1; n++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i lo_x = _mm256_loadu_si256((const __m256i *)(xq + b * MOBC_Q4_BLOCK));
-            __m256i hi_x = _mm256_loadu_si256((const __m256i *)(xq + b * MOBC_Q4_BLOCK + 16));
-            __m256i t = i16_block_dot(packed + n * stride + b * (MOBC_Q4_BLOCK / 2), lo_x, hi_x);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d[n * nb + b] * xscale[b]), acc);
-        }
-        y[n] = hsum(acc);
-    }
 }
 
 /* one block of 32 floats rounded to int16 in the kernel's lane order (as mobc_q4_quantize_i16_portable
@@ -304,7 +316,7 @@ static int has_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
         __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     }
     return cached;
 }
@@ -314,47 +326,30 @@ static int has_avx2(void) { return 0; }
 
 int mobc_q4_vectorized(void) { return has_avx2(); }
 
-void mobc_q4_matmul_cols_portable(const float *x, int64_t M, int64_t K, const uint8_t *packed, const float *d,
-                                  const float *m, int64_t N, float *y, int64_t n0, int64_t n1) {
-    float xs[MOBC_Q4_MAX_K / MOBC_Q4_BLOCK];
-    for (int64_t r = 0; r < M; r++) {
-        block_sums(x + r * K, 1, K, xs);
-        cols_portable(x + r * K, 1, K, packed, d, m, N, y + r * N, n0, n1, xs);
-    }
-}
-
-void mobc_q4_matmul_cols(const float *x, int64_t M, int64_t K, const uint8_t *packed, const float *d,
-                         const float *m, int64_t N, float *y, int64_t n0, int64_t n1) {
+void mobc_q4_matmul(const float *x, const float *xsum, int64_t M, const MobcQ4Weights *w, float *y,
+                    int64_t g0, int64_t g1) {
 #if defined(__x86_64__) || defined(_M_X64)
     if (has_avx2()) {
-        /* K is at most MOBC_Q4_MAX_K: the op refuses longer rows */
-        float xs[ROW_TILE * (MOBC_Q4_MAX_K / MOBC_Q4_BLOCK)];
+        int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
         for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
             int64_t rows = M - r0 < ROW_TILE ? M - r0 : ROW_TILE;
-            /* block sums: 1/32 of the work, recomputed per column range so callers stay stateless */
-            block_sums(x + r0 * K, rows, K, xs);
-            cols_avx2_rows(rows, x + r0 * K, K, packed, d, m, N, y + r0 * N, n0, n1, xs);
+            float_tile(rows, x + r0 * K, xsum + r0 * nb, w, y + r0 * N, g0, g1);
         }
         return;
     }
 #endif
-    mobc_q4_matmul_cols_portable(x, M, K, packed, d, m, N, y, n0, n1);
+    mobc_q4_matmul_portable(x, xsum, M, w, y, g0, g1);
 }
 
-void mobc_q4i16_matmul_cols(const int16_t *xq, const float *xscale, const float *xsum, int64_t M, int64_t K,
-                            const uint8_t *packed, const float *d, const float *m, int64_t N, float *y,
-                            int64_t n0, int64_t n1) {
+void mobc_q4i16_matmul(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
+                       const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1) {
 #if defined(__x86_64__) || defined(_M_X64)
     if (has_avx2()) {
-        int64_t nb = K / MOBC_Q4_BLOCK;
-        /* row by row over the same columns: a task's codes stay in L1 after the first row */
-        for (int64_t r = 0; r < M; r++)
-            i16_cols_one_row(xq + r * K, xscale + r * nb, K, packed, d, y + r * N, n0, n1);
-        add_offsets(M, m, xsum, nb, N, y, n0, n1);
+        i16_rows(xq, xscale, xsum, M, w, y, g0, g1);
         return;
     }
 #endif
-    mobc_q4i16_matmul_cols_portable(xq, xscale, xsum, M, K, packed, d, m, N, y, n0, n1);
+    mobc_q4i16_matmul_portable(xq, xscale, xsum, M, w, y, g0, g1);
 }
 
 void mobc_q4_quantize_i16(const float *x, int64_t M, int64_t K, int16_t *xq, float *xscale, float *xsum) {

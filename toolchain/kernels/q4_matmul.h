@@ -1,14 +1,27 @@
-/* y[M, N] = x[M, K] @ W[K, N], W stored as 4-bit codes on blocks of 32 along K:
- *   W[32*b + i, n] = d[n, b] * q + m[b, n],  q in 0..15 (d column-major, m block-major)
- * packed[n, b] is 16 bytes, four little-endian 32-bit words; element e = 8k + j (k 0..3, j 0..7)
- * sits in word j % 4 at nibble 2k + (j >= 4), the order the AVX2 path widens without shuffles.
- * Activations stay float32: the float model's arithmetic. */
+/* y[M, N] = x[M, K] @ W[K, N], W stored as 4-bit codes on blocks of 32 along K, columns in groups
+ * of four:
+ *   W[32*b + i, 4*g + c] = d[g, b, c] * (q - 8) + o[g, b, c],  q in 0..15
+ * (GGUF's Q4_0: o = 0; Q4_1: o is the block's minimum plus 8d). codes[g, b, c] is 16 bytes, four
+ * little-endian 32-bit words; element e = 8k + j (k 0..3, j 0..7) sits in word j % 4 at nibble
+ * 2k + (j >= 4), the order the AVX2 path widens without shuffles. A block of four columns is one
+ * 64-byte line, so each group reads three sequential streams (codes, scales, offsets): on one row
+ * this ran SmolLM2's down_proj 1.7x faster than a column-major layout with separate scale arrays,
+ * whose strided reads the prefetchers did not follow. d and o are float32 or IEEE float16 (GGUF's
+ * scales are float16, so its exact values take half the bytes). */
 #ifndef MOBC_Q4_MATMUL_H
 #define MOBC_Q4_MATMUL_H
 #include <stdint.h>
 
 #define MOBC_Q4_BLOCK 32
-#define MOBC_Q4_MAX_K 32768 /* longest row the op takes (Llama-3.1-8B's down_proj: 14336) */
+#define MOBC_Q4_GROUP 4      /* columns per group */
+#define MOBC_Q4_MAX_K 32768  /* longest row the op takes (Llama-3.1-8B's down_proj: 14336) */
+
+typedef struct {
+    const uint8_t *codes;          /* [N/4, K/32, 4, 16] */
+    const void *scales, *offsets;  /* [N/4, K/32, 4]: float, or uint16 IEEE halves when half */
+    int half;
+    int64_t K, N;                  /* N a multiple of 4, K of 32 */
+} MobcQ4Weights;
 
 /* code of element e (0..31) of one packed block */
 static inline unsigned mobc_q4_code(const uint8_t *block, int e) {
@@ -16,29 +29,31 @@ static inline unsigned mobc_q4_code(const uint8_t *block, int e) {
     return (block[4 * (j % 4) + nibble / 2] >> (4 * (nibble % 2))) & 0x0F;
 }
 
-/* columns [n0, n1) of y; x row-major [M, K], y row-major [M, N]; K a multiple of 32 */
-void mobc_q4_matmul_cols(const float *x, int64_t M, int64_t K, const uint8_t *packed, const float *d,
-                         const float *m, int64_t N, float *y, int64_t n0, int64_t n1);
+float mobc_half_to_float(uint16_t h);
 
-/* the same without vectorization (CPUs without AVX2; the tests compare the two) */
-void mobc_q4_matmul_cols_portable(const float *x, int64_t M, int64_t K, const uint8_t *packed, const float *d,
-                                  const float *m, int64_t N, float *y, int64_t n0, int64_t n1);
+/* xsum[r, b] = sum(x[r, 32b .. 32b + 31]): the offsets' share, computed once per call */
+void mobc_q4_block_sums(const float *x, int64_t M, int64_t K, float *xsum);
+
+/* float32 activations (MatMulQ4): the float model's arithmetic. Columns of groups [g0, g1) of y;
+ * x row-major [M, K], y row-major [M, N] */
+void mobc_q4_matmul(const float *x, const float *xsum, int64_t M, const MobcQ4Weights *w, float *y,
+                    int64_t g0, int64_t g1);
+void mobc_q4_matmul_portable(const float *x, const float *xsum, int64_t M, const MobcQ4Weights *w, float *y,
+                             int64_t g0, int64_t g1);
 
 /* The same product with activations as 16-bit integers (MatMulQ4I16): each row's 32-element block
  * x_b is rounded to s_b * p, p int16, s_b = max|x_b| / 32767 (an error of at most max|x_b| / 65534
- * per element), and q_b . p is an exact integer dot product (pmaddwd), ~1.5x the float path's
- * speed on one row. xq holds M * K int16 in the kernel's lane order (mobc_q4_quantize_i16),
- * xscale and xsum M * K/32 floats (s_b and the exact float sum(x_b) for the minimum). */
+ * per element), and q_b . p is an exact integer dot product (pmaddwd). xq holds M * K int16 in the
+ * kernel's lane order (mobc_q4_quantize_i16), xscale and xsum M * K/32 floats (s_b and the exact
+ * float sum(x_b) for the offsets). */
 void mobc_q4_quantize_i16(const float *x, int64_t M, int64_t K, int16_t *xq, float *xscale, float *xsum);
 void mobc_q4_quantize_i16_portable(const float *x, int64_t M, int64_t K, int16_t *xq, float *xscale, float *xsum);
-void mobc_q4i16_matmul_cols(const int16_t *xq, const float *xscale, const float *xsum, int64_t M, int64_t K,
-                            const uint8_t *packed, const float *d, const float *m, int64_t N, float *y,
-                            int64_t n0, int64_t n1);
-void mobc_q4i16_matmul_cols_portable(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
-                                     int64_t K, const uint8_t *packed, const float *d, const float *m,
-                                     int64_t N, float *y, int64_t n0, int64_t n1);
+void mobc_q4i16_matmul(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
+                       const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1);
+void mobc_q4i16_matmul_portable(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
+                                const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1);
 
-/* 1 when the vectorized (AVX2 + FMA) path runs on this CPU, 0 for the portable one */
+/* 1 when the vectorized (AVX2 + FMA + F16C) paths run on this CPU, 0 for the portable ones */
 int mobc_q4_vectorized(void);
 
 #endif
