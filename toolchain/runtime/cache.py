@@ -15,6 +15,10 @@ Two ways to feed a graph:
   stale in every width's copy and `fill` brings a width up to date just before its call, so AR
   decoding copies each new row once, not once per compiled width (SmolLM2 with four widths bound:
   commit 1.4-1.9 ms per token before).
+Every layer's K (and V) buffer is a view into one stacked [layers, ...] array, the master's and each
+width's, so a commit of rows that arrive stacked too (`StackedRows`, what a bound family returns)
+and a width's refresh are one numpy copy each instead of one per layer (SmolLM2's 30 layers: ~0.7
+of ~1.1 ms of Python per decoded token before).
 """
 
 from __future__ import annotations
@@ -31,17 +35,33 @@ class CacheFullError(MobcError):
     """The generation ran out of the compiled context length."""
 
 
+class StackedRows(dict):
+    """A call's outputs by name, whose `new_key_<i>` / `new_value_<i>` are views, in layer order, of
+    the [layers, ...] arrays in `stacked["new_key"]` / `stacked["new_value"]`."""
+
+    stacked: dict[str, np.ndarray]
+
+
+def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
+    """Consecutive indices as a slice (a view, no gather), anything else as is."""
+    if len(idx) and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and (len(idx) == 1 or (np.diff(idx) == 1).all()):
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
 class KVCache:
     def __init__(self, layout: StepLayout, rope: dict[str, np.ndarray], context: int | None = None):
         self.layout = layout
         self.context = context or layout.context
         self.rope = rope
-        shape_k = (layout.n_kv, 1, layout.head_dim, self.context)
-        shape_v = (layout.n_kv, 1, self.context, layout.head_dim)
-        self.keys = [np.zeros(shape_k, np.float32) for _ in range(layout.n_layers)]
-        self.values = [np.zeros(shape_v, np.float32) for _ in range(layout.n_layers)]
+        n = layout.n_layers
+        self._keys = np.zeros((n, layout.n_kv, 1, layout.head_dim, self.context), np.float32)
+        self._values = np.zeros((n, layout.n_kv, 1, self.context, layout.head_dim), np.float32)
+        self.keys = list(self._keys)  # per-layer views [Hkv, 1, D, CL] of the stacked master
+        self.values = list(self._values)
         self.length = 0  # committed tokens; token at slot s has position s
         self._bufs: dict[int, dict[str, np.ndarray]] = {}
+        self._past: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # width -> its stacked past K, V
         self._stale: dict[int, tuple[int, int]] = {}  # width -> master slots [lo, hi) its copy lacks
 
     def reset(self) -> None:
@@ -122,6 +142,8 @@ class KVCache:
                           past_allowed: np.ndarray | None = None, first_row: int = 0) -> dict[str, np.ndarray]:
         """input_ids, masks and RoPE inputs of a call (everything but the past)."""
         k = len(tokens)
+        if k == width == 1 and allowed_new is None and depths is None and past_allowed is None and not first_row:
+            return self._one_token_inputs(tokens[0], pad_token)
         if not 0 <= first_row <= width - k:
             raise ValueError(f"{k} tokens from row {first_row} do not fit a width-{width} graph")
         if past_allowed is not None and first_row:
@@ -143,6 +165,22 @@ class KVCache:
         feeds.update(self.rope_inputs(positions))
         return feeds
 
+    def _one_token_inputs(self, token: int, pad_token: int) -> dict[str, np.ndarray]:
+        """What the general path computes for one token in a width-1 call (an AR decode step), built
+        from slices instead of [N, CL] boolean algebra: ~0.3 ms less Python per decoded token."""
+        cl, pos = self.context, min(self.length, self.context - 1)
+        feeds = {"input_ids": np.array([[token]], dtype=np.int32)}
+        for kind in self.layout.kinds:
+            first = 0  # oldest committed slot the token sees: all of them, or the sliding window's
+            if kind == "sliding" and self.layout.sliding_window:
+                first = max(0, pos - self.layout.sliding_window + 1)
+            mask = np.full((1, 1, 1, cl), MASK_MIN, dtype=np.float32)
+            mask[..., first : self.length] = 0.0
+            mask[..., cl - 1] = 0.0  # the token itself
+            feeds[f"attention_mask{StepLayout.suffix(kind)}"] = mask
+        feeds.update(self.rope_inputs(np.array([pos], dtype=np.int64)))
+        return feeds
+
     def step_inputs(self, tokens: Sequence[int], width: int, allowed_new: np.ndarray | None = None,
                     depths: Sequence[int] | None = None, pad_token: int = 0,
                     past_allowed: np.ndarray | None = None, first_row: int = 0) -> dict[str, np.ndarray]:
@@ -161,7 +199,13 @@ class KVCache:
         if width not in self._bufs:
             self._check_room(width)
             bufs = {k: np.zeros_like(v) for k, v in self._new_token_inputs([], width, None, None, 0).items()}
-            bufs.update(self.past(width))  # a copy of the master, refreshed here before every use
+            past_len = self.context - width
+            # a copy of the master, refreshed here before every use; each layer a view of one array
+            keys = np.ascontiguousarray(self._keys[..., :past_len])
+            values = np.ascontiguousarray(self._values[:, :, :, :past_len])
+            for i in range(self.layout.n_layers):
+                bufs[f"past_key_{i}"], bufs[f"past_value_{i}"] = keys[i], values[i]
+            self._past[width] = (keys, values)
             self._bufs[width] = bufs
         self._refresh(width)
         return self._bufs[width]
@@ -185,9 +229,15 @@ class KVCache:
         if self.length + m > self.context:
             raise CacheFullError(f"committing {m} tokens overflows the context ({self.context})")
         lo, hi = self.length, self.length + m
-        for i in range(self.layout.n_layers):
-            self.keys[i][..., lo:hi] = new_rows[f"new_key_{i}"][..., idx]
-            self.values[i][:, :, lo:hi] = new_rows[f"new_value_{i}"][:, :, idx]
+        rows = _as_slice(idx)
+        stacked = getattr(new_rows, "stacked", None)
+        if stacked is not None:  # every layer in one copy: [L, Hkv, 1, D, N] and [L, Hkv, 1, N, D]
+            self._keys[..., lo:hi] = stacked["new_key"][..., rows]
+            self._values[:, :, :, lo:hi] = stacked["new_value"][:, :, :, rows]
+        else:
+            for i in range(self.layout.n_layers):
+                self.keys[i][..., lo:hi] = new_rows[f"new_key_{i}"][..., rows]
+                self.values[i][:, :, lo:hi] = new_rows[f"new_value_{i}"][:, :, rows]
         self._sync_bound(lo, hi)
         self.length = hi
 
@@ -217,7 +267,6 @@ class KVCache:
             return
         lo, top = stale[0], min(stale[1], self.context - width)
         if top > lo:
-            bufs = self._bufs[width]
-            for i in range(self.layout.n_layers):
-                bufs[f"past_key_{i}"][..., lo:top] = self.keys[i][..., lo:top]
-                bufs[f"past_value_{i}"][:, :, lo:top] = self.values[i][:, :, lo:top]
+            keys, values = self._past[width]
+            keys[..., lo:top] = self._keys[..., lo:top]
+            values[:, :, :, lo:top] = self._values[:, :, :, lo:top]

@@ -21,6 +21,7 @@ from toolchain.artifact.chain import KEPT_OUTPUTS, run_chain
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
 from toolchain.artifact.qdq_arithmetic import QDQ_EXACT
+from toolchain.runtime.cache import StackedRows
 from toolchain.runtime.shared_weights import SharedWeights
 
 # Weight bytes a memory-bounded user of an artifact (the compile's checks, calibration) keeps in open
@@ -198,6 +199,7 @@ class BoundFamily:
         self.outputs: dict[str, np.ndarray] = {}
         self._runs: list[tuple[ort.InferenceSession, ort.IOBinding]] = []
         consumed: set[str] = set()
+        stacked = _stacked_outputs([o for stage in sessions.chain(family) for o in stage.outputs])
         for stage in sessions.chain(family):
             sess = sessions.session(stage.name)
             binding = sess.io_binding()
@@ -210,17 +212,48 @@ class BoundFamily:
                 binding.bind_cpu_input(name, arr)
                 consumed.add(name)
             for out in stage.outputs:
-                arr = np.zeros([int(d) for d in out.shape], out.numpy_dtype)
+                arr = stacked.views.get(out.name)
+                if arr is None:
+                    arr = np.zeros([int(d) for d in out.shape], out.numpy_dtype)
                 self.outputs[out.name] = arr
                 binding.bind_ortvalue_output(out.name, ort.OrtValue.ortvalue_from_numpy(arr))
             self._runs.append((sess, binding))
         # like run_chain: the family's outputs are those no later stage consumed (and KEPT_OUTPUTS)
-        self.outputs = {k: v for k, v in self.outputs.items() if k not in consumed or k in KEPT_OUTPUTS}
+        self.outputs = StackedRows((k, v) for k, v in self.outputs.items() if k not in consumed or k in KEPT_OUTPUTS)
+        if stacked.arrays and all(name in self.outputs for name in stacked.views):
+            self.outputs.stacked = stacked.arrays  # KVCache.commit copies every layer's rows at once
 
     def run(self) -> dict[str, np.ndarray]:
         for sess, binding in self._runs:
             sess.run_with_iobinding(binding)
         return self.outputs
+
+
+class _Stacked:
+    """Views of one [layers, ...] array per kind for a family's `new_key_<i>` / `new_value_<i>`
+    outputs, when every layer has one and they share a shape (empty otherwise)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+        self.views: dict[str, np.ndarray] = {}
+
+
+def _stacked_outputs(outputs: list[Any]) -> _Stacked:
+    found = _Stacked()
+    for kind in ("new_key", "new_value"):
+        by_layer = {}
+        for out in outputs:
+            head, _, layer = out.name.rpartition("_")
+            if head == kind and layer.isdigit():
+                by_layer[int(layer)] = out
+        shapes = {(tuple(int(d) for d in o.shape), np.dtype(o.numpy_dtype)) for o in by_layer.values()}
+        if not by_layer or sorted(by_layer) != list(range(len(by_layer))) or len(shapes) != 1:
+            return _Stacked()
+        shape, dtype = shapes.pop()
+        found.arrays[kind] = np.zeros((len(by_layer), *shape), dtype)
+        for i, out in by_layer.items():
+            found.views[out.name] = found.arrays[kind][i]
+    return found
 
 
 def stage_feeds(sessions: ArtifactSessions, family_feeds: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

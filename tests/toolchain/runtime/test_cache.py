@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from toolchain.artifact.layout import MASK_MIN, StepLayout
-from toolchain.runtime.cache import CacheFullError, KVCache
+from toolchain.runtime.cache import CacheFullError, KVCache, StackedRows
 
 CL, D, HKV, LAYERS = 16, 4, 2, 2
 
@@ -155,3 +155,46 @@ def test_a_commit_copies_rows_only_into_the_width_that_runs_next():
     np.testing.assert_array_equal(cache.buffers(1)["past_key_0"][..., :3], cache.keys[0][..., :3])
     cache.fill([5, 6], 4)
     np.testing.assert_array_equal(wide_past[..., :3], cache.keys[0][..., :3])
+
+
+def _stacked(new: dict[str, np.ndarray]) -> StackedRows:
+    """The same rows as a bound family returns them: views of one [layers, ...] array per kind."""
+    out = StackedRows()
+    out.stacked = {kind: np.stack([new[f"{kind}_{i}"] for i in range(LAYERS)]) for kind in ("new_key", "new_value")}
+    for kind, arr in out.stacked.items():
+        for i in range(LAYERS):
+            out[f"{kind}_{i}"] = arr[i]
+    return out
+
+
+@pytest.mark.parametrize("keep", [[0, 1, 2, 3], [2], [3, 1, 0], []])
+def test_stacked_rows_commit_as_the_per_layer_ones(keep):
+    """A commit of stacked rows (one copy for every layer) writes what per-layer copies write, into
+    the master and into a bound width's past, for consecutive, single, reordered and no rows."""
+    per_layer, stacked = KVCache(layout(), rope()), KVCache(layout(), rope())
+    for cache in (per_layer, stacked):
+        cache.buffers(1)
+        cache.commit(rows(4, 0), [0, 1])
+    new = rows(4, 1)
+    per_layer.commit(new, keep)
+    stacked.commit(_stacked(new), keep)
+    for i in range(LAYERS):
+        np.testing.assert_array_equal(stacked.keys[i], per_layer.keys[i])
+        np.testing.assert_array_equal(stacked.values[i], per_layer.values[i])
+        np.testing.assert_array_equal(stacked.buffers(1)[f"past_value_{i}"], per_layer.buffers(1)[f"past_value_{i}"])
+    assert stacked.keys[1][..., 2 : 2 + len(keep)].any() or not keep
+
+
+@pytest.mark.parametrize("kinds,window", [(("full", "full"), None), (("full", "sliding"), 6)])
+def test_one_token_fast_path_equals_the_general_inputs(kinds, window):
+    """An AR decode step's inputs (one token, width 1) built by slices equal the general path's
+    (forced here with explicit depths) at every cache length, sliding windows included."""
+    cache = KVCache(layout(kinds, window), rope())
+    for length in range(CL):
+        cache.length = length
+        fast = cache._new_token_inputs([5], 1, None, None, 0)
+        general = cache._new_token_inputs([5], 1, None, [0], 0)
+        assert fast.keys() == general.keys()
+        for name in general:
+            np.testing.assert_array_equal(fast[name], general[name], err_msg=f"{name} at length {length}")
+            assert fast[name].dtype == general[name].dtype and fast[name].shape == general[name].shape

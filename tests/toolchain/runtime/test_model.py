@@ -106,3 +106,20 @@ def test_open_ahead_sessions_are_the_ones_used_and_count_as_open(tiny_artifact, 
     assert model.sessions.open_names() == decode
     np.testing.assert_allclose(model.prefill(PROMPT[:3]), ref, atol=1e-5)
     assert sorted(opened) == sorted(decode)  # each opened once, in the background
+
+
+def test_bound_calls_commit_stacked_rows_as_unbound_ones_do(tiny_artifact):
+    """A bound family's new K/V outputs are views of one array per kind (one copy per commit for every
+    layer); greedy decoding through them keeps the cache an unbound model keeps, row for row."""
+    bound, plain = StepModel(tiny_artifact), StepModel(tiny_artifact, io_binding=False)
+    for model in (bound, plain):
+        last = model.prefill(PROMPT)
+        for _ in range(5):
+            last = model.forward([int(np.argmax(last))])
+            model.commit([0])
+    family, outs, _ = bound._last
+    stacked = outs.stacked["new_key"]
+    assert all(np.shares_memory(outs[f"new_key_{i}"], stacked) for i in range(len(bound.cache.keys)))
+    for mine, theirs in zip(bound.cache.keys + bound.cache.values, plain.cache.keys + plain.cache.values, strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    assert bound.length == plain.length == len(PROMPT) + 5 and bound.cache.keys[0][..., bound.length - 1].any()
