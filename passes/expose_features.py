@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from passes.base import GraphPass
 from passes.registry import register
-from passes.split_lm_head import HIDDEN, _cut_value
+from passes.split_lm_head import HIDDEN, cut_value
 from toolchain.errors import PassError
 
 
@@ -30,7 +30,7 @@ class ExposeFeatures(GraphPass):
         graph = model.graph
         if any(v.name == HIDDEN for v in graph.outputs):
             return False
-        name = _cut_value(model, "norm", "expose_features")
+        name = cut_value(model, "norm", "expose_features")
         value = next(v for n in graph for v in n.inputs if v is not None and v.name == name)
         if any(v.name == HIDDEN for n in graph for v in n.outputs):
             raise PassError(f"expose_features: the graph already has a value named {HIDDEN!r} that is no output")

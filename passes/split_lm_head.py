@@ -33,7 +33,7 @@ from toolchain.ir.graphset import GraphEntry, GraphSet
 HIDDEN = "hidden"
 
 
-def _cut_value(model: ir.Model, prefix: str, who: str = "split_lm_head") -> str:
+def cut_value(model: ir.Model, prefix: str, who: str = "split_lm_head") -> str:
     """The single non-constant value that flows into the `prefix` scope from outside it."""
     inside = [n for n in model.graph if scope(n) == prefix or scope(n).startswith(prefix + ".")]
     members = set(inside)
@@ -66,7 +66,7 @@ class SplitLmHead(GraphSetPass):
         if body is None:
             raise PassError(f"split_lm_head: no stage of graph {family!r} outputs logits")
         model = body.model
-        cut = _cut_value(model, "norm" if self.config.include_norm else "lm_head")
+        cut = cut_value(model, "norm" if self.config.include_norm else "lm_head")
         head_name = f"{family}_lm_head"
         head = extract(model, [cut], ["logits"], head_name)
         _rename(head.graph.inputs, cut, HIDDEN)
