@@ -5,6 +5,14 @@
 
 #define CHUNK 8
 
+/* [c, e): each past chunk of 8 slots that was scored (holds an admitted slot), then the new slots */
+#define FOR_SCORED_CHUNKS(c, e, BODY)                                \
+    for (int64_t c = 0, e; c < L; c = e) {                           \
+        e = c < P ? (c + CHUNK < P ? c + CHUNK : P) : L;             \
+        if (c < P && sc[c] == -INFINITY) continue;                   \
+        BODY                                                         \
+    }
+
 /* the body is compiled twice: with AVX2 + FMA (auto-vectorized over slots and head dims) and plain */
 #define ATTENTION_BODY                                                                              \
     int64_t L = P + Nn;                                                                             \
@@ -44,32 +52,20 @@
     }                                                                                               \
     /* softmax weights: chunks no admitted slot is in stay -INFINITY (weight 0, never read) */      \
     float sum = 0.0f;                                                                               \
-    for (int64_t c = 0; c < L;) {                                                                   \
-        int64_t e = c < P ? (c + CHUNK < P ? c + CHUNK : P) : L;                                    \
-        if (c < P && sc[c] == -INFINITY) {                                                          \
-            c = e;                                                                                  \
-            continue;                                                                               \
-        }                                                                                           \
+    FOR_SCORED_CHUNKS(c, e, {                                                                       \
         EXP_MINUS_MAX(sc + c, e - c, mx);                                                           \
         for (int64_t s = c; s < e; s++) sum += sc[s];                                               \
-        c = e;                                                                                      \
-    }                                                                                               \
+    })                                                                                              \
     const float inv = 1.0f / sum;                                                                   \
     for (int64_t d = 0; d < D; d++) out[d] = 0.0f;                                                  \
-    for (int64_t c = 0; c < L;) {                                                                   \
-        int64_t e = c < P ? (c + CHUNK < P ? c + CHUNK : P) : L;                                    \
-        if (c < P && sc[c] == -INFINITY) {                                                          \
-            c = e;                                                                                  \
-            continue;                                                                               \
-        }                                                                                           \
+    FOR_SCORED_CHUNKS(c, e, {                                                                       \
         for (int64_t s = c; s < e; s++) {                                                           \
             if (sc[s] == 0.0f) continue; /* a zero weight adds exactly nothing */                  \
             const float p = sc[s] * inv;                                                            \
             const float *v = s < P ? past_value + s * D : new_value + (s - P) * D;                  \
             for (int64_t d = 0; d < D; d++) out[d] += p * v[d];                                     \
         }                                                                                           \
-        c = e;                                                                                      \
-    }
+    })
 
 /* x[i] = exp(x[i] - mx) for n values (a slot scored -INFINITY gets 0) */
 static inline void exp_minus_max_portable(float *x, int64_t n, float mx) {

@@ -46,26 +46,6 @@ void mobc_q4_block_sums(const float *x, int64_t M, int64_t K, float *xsum) {
     }
 }
 
-void mobc_q4_matmul_portable(const float *x, const float *xsum, int64_t M, const MobcQ4Weights *w, float *y,
-                             int64_t g0, int64_t g1) {
-    int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t g = g0; g < g1; g++)
-            for (int c = 0; c < MOBC_Q4_GROUP; c++) {
-                float acc = 0.0f;
-                for (int64_t b = 0; b < nb; b++) {
-                    int64_t i = (g * nb + b) * MOBC_Q4_GROUP + c;
-                    const uint8_t *q = w->codes + i * BLOCK_BYTES;
-                    const float *xb = x + r * K + b * MOBC_Q4_BLOCK;
-                    float t = 0.0f;
-                    for (int e = 0; e < MOBC_Q4_BLOCK; e++) t += (float)mobc_q4_code(q, e) * xb[e];
-                    float d = scale_at(w, i), s = xsum[r * nb + b];
-                    acc += d * t + (offset_at(w, i) * s - 8.0f * d * s);
-                }
-                y[r * N + g * MOBC_Q4_GROUP + c] = acc;
-            }
-}
-
 /* ---- 16-bit integer activations (MatMulQ4I16) ---- */
 
 /* where lane i of a block's int16 activations sits in x: the first 16 lanes meet the low nibbles of
@@ -96,8 +76,9 @@ void mobc_q4_quantize_i16_portable(const float *x, int64_t M, int64_t K, int16_t
     }
 }
 
-void mobc_q4i16_matmul_portable(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
-                                const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1) {
+/* both products in plain C: float activations x, or (xq != NULL) int16 blocks xq with scales xscale */
+static void matmul_portable(const float *x, const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
+                            const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1) {
     int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
     for (int64_t r = 0; r < M; r++)
         for (int64_t g = g0; g < g1; g++)
@@ -106,14 +87,32 @@ void mobc_q4i16_matmul_portable(const int16_t *xq, const float *xscale, const fl
                 for (int64_t b = 0; b < nb; b++) {
                     int64_t i = (g * nb + b) * MOBC_Q4_GROUP + c;
                     const uint8_t *q = w->codes + i * BLOCK_BYTES;
-                    const int16_t *p = xq + (r * nb + b) * MOBC_Q4_BLOCK;
-                    int32_t t = 0;
-                    for (int k = 0; k < 16; k++) t += (q[k] & 0x0F) * p[k] + (q[k] >> 4) * p[16 + k];
                     float d = scale_at(w, i), s = xsum[r * nb + b];
-                    acc += (float)t * (d * xscale[r * nb + b]) + (offset_at(w, i) * s - 8.0f * d * s);
+                    if (xq != NULL) {
+                        const int16_t *p = xq + (r * nb + b) * MOBC_Q4_BLOCK;
+                        int32_t t = 0;
+                        for (int k = 0; k < 16; k++) t += (q[k] & 0x0F) * p[k] + (q[k] >> 4) * p[16 + k];
+                        acc += (float)t * (d * xscale[r * nb + b]);
+                    } else {
+                        const float *xb = x + r * K + b * MOBC_Q4_BLOCK;
+                        float t = 0.0f;
+                        for (int e = 0; e < MOBC_Q4_BLOCK; e++) t += (float)mobc_q4_code(q, e) * xb[e];
+                        acc += d * t;
+                    }
+                    acc += offset_at(w, i) * s - 8.0f * d * s;
                 }
                 y[r * N + g * MOBC_Q4_GROUP + c] = acc;
             }
+}
+
+void mobc_q4_matmul_portable(const float *x, const float *xsum, int64_t M, const MobcQ4Weights *w, float *y,
+                             int64_t g0, int64_t g1) {
+    matmul_portable(x, NULL, NULL, xsum, M, w, y, g0, g1);
+}
+
+void mobc_q4i16_matmul_portable(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
+                                const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1) {
+    matmul_portable(NULL, xq, xscale, xsum, M, w, y, g0, g1);
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
