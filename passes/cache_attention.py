@@ -157,7 +157,7 @@ class CacheAttention(GraphPass):
             ir.convenience.replace_all_uses_with(a.out, node.outputs[0])
             for old in reversed(a.nodes):
                 model.graph.remove(old, safe=True)
-        model.opset_imports.setdefault(kernels.DOMAIN, 1)
+        model.opset_imports.setdefault(kernels.DOMAIN, kernels.OPSET)
         remove_unused(model)
         return True
 

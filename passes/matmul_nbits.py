@@ -234,7 +234,7 @@ class MatMulNBits(GraphPass):
         if changed:
             model.opset_imports.setdefault(DOMAIN, 1)
             if any(n.domain == kernels.DOMAIN for n in model.graph):
-                model.opset_imports.setdefault(kernels.DOMAIN, 1)
+                model.opset_imports.setdefault(kernels.DOMAIN, kernels.OPSET)
             remove_unused(model)
         return changed
 

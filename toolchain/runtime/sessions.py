@@ -18,9 +18,11 @@ import onnxruntime as ort
 
 from toolchain import kernels
 from toolchain.artifact.chain import KEPT_OUTPUTS, run_chain
+from toolchain.artifact.integrity import fix_hint
 from toolchain.artifact.layout import StepLayout
 from toolchain.artifact.manifest import ROPE, GraphRecord, Manifest
 from toolchain.artifact.qdq_arithmetic import QDQ_EXACT
+from toolchain.errors import ArtifactError
 from toolchain.runtime.cache import StackedRows
 from toolchain.runtime.shared_weights import SharedWeights
 
@@ -160,9 +162,20 @@ class ArtifactSessions:
             opts = session_options(self.threads)
             if self.cpu_form:
                 opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+                self._check_kernel_opset(name, path)
         if self.shared is not None:
             self.shared.add_to(opts, Path(path))
         return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+    def _check_kernel_opset(self, name: str, path: str) -> None:
+        """A graph compiled for an older layout of mobc's CPU ops is refused before it runs (its
+        kernels would fail on every call), naming the recompile command."""
+        opset = kernels.graph_opset(path)
+        if opset is not None and opset < kernels.OPSET:
+            raise ArtifactError(
+                f"{self.folder}: graph {self.stages[name].file} was compiled for mobc.cpu opset {opset}, an "
+                f"older layout of mobc's CPU kernels than this mobc's (opset {kernels.OPSET}); "
+                + fix_hint(self.folder, self.manifest))
 
     def _make_room(self, needed: int) -> None:
         if self.max_resident_bytes is None:
