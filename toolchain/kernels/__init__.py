@@ -36,6 +36,7 @@ DOMAIN = "mobc.cpu"
 # the mobc.cpu opset a compiled graph declares. 2: MatMulQ4's columns in groups of four with float16 or
 # float32 scales and offsets; 1 (column-major codes, float32 scales, block-major minimums) is refused
 OPSET = 2
+STALE_LAYOUT = "an artifact compiled before this layout needs recompiling"  # ort_ops.c says so
 OPS = ("MatMulQ4", "MatMulQ4I16", "CacheAttention")
 BLOCK = 32
 GROUP = 4  # columns per group of the packed layout (MOBC_Q4_GROUP)
@@ -130,13 +131,10 @@ def register(so) -> bool:
         return False
 
 
-def graph_opset(path: str | Path) -> int | None:
-    """The mobc.cpu opset an ONNX file imports (None: it uses none of these ops), read without its
-    external weights."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    return next((int(o.version) for o in model.opset_import if o.domain == DOMAIN), None)
+def is_stale_layout(exc: BaseException) -> bool:
+    """Whether onnxruntime failed because a MatMulQ4 graph holds an older layout of its inputs (the
+    op's own message, toolchain/kernels/ort_ops.c)."""
+    return STALE_LAYOUT in str(exc)
 
 
 def require(what: str) -> None:

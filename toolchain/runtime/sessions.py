@@ -162,20 +162,16 @@ class ArtifactSessions:
             opts = session_options(self.threads)
             if self.cpu_form:
                 opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-                self._check_kernel_opset(name, path)
         if self.shared is not None:
             self.shared.add_to(opts, Path(path))
         return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
-    def _check_kernel_opset(self, name: str, path: str) -> None:
-        """A graph compiled for an older layout of mobc's CPU ops is refused before it runs (its
-        kernels would fail on every call), naming the recompile command."""
-        opset = kernels.graph_opset(path)
-        if opset is not None and opset < kernels.OPSET:
-            raise ArtifactError(
-                f"{self.folder}: graph {self.stages[name].file} was compiled for mobc.cpu opset {opset}, an "
-                f"older layout of mobc's CPU kernels than this mobc's (opset {kernels.OPSET}); "
-                + fix_hint(self.folder, self.manifest))
+    def stale_kernels_error(self) -> ArtifactError:
+        """What a run says when mobc's CPU kernels refused a graph compiled for an older layout of
+        their inputs (kernels.is_stale_layout). Checked on failure, not at open: reading each graph's
+        opset would cost an `import onnx`, ~0.8 s of start-up."""
+        return ArtifactError(f"{self.folder} was compiled for an older layout of mobc's CPU kernels than this "
+                             f"mobc's (mobc.cpu opset {kernels.OPSET}); " + fix_hint(self.folder, self.manifest))
 
     def _make_room(self, needed: int) -> None:
         if self.max_resident_bytes is None:
@@ -188,7 +184,12 @@ class ArtifactSessions:
 
     def run_stage(self, stage: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         sess = self.session(stage.name)
-        outs = sess.run(stage.output_names, feeds)
+        try:
+            outs = sess.run(stage.output_names, feeds)
+        except Exception as exc:
+            if kernels.is_stale_layout(exc):
+                raise self.stale_kernels_error() from None
+            raise
         return dict(zip(stage.output_names, outs, strict=True))
 
     def run_family(self, family: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -209,6 +210,7 @@ class BoundFamily:
 
     def __init__(self, sessions: ArtifactSessions, family: str, inputs: dict[str, np.ndarray]):
         self.family = family
+        self._sessions = sessions
         self.outputs: dict[str, np.ndarray] = {}
         self._runs: list[tuple[ort.InferenceSession, ort.IOBinding]] = []
         consumed: set[str] = set()
@@ -237,8 +239,13 @@ class BoundFamily:
             self.outputs.stacked = stacked.arrays  # KVCache.commit copies every layer's rows at once
 
     def run(self) -> dict[str, np.ndarray]:
-        for sess, binding in self._runs:
-            sess.run_with_iobinding(binding)
+        try:
+            for sess, binding in self._runs:
+                sess.run_with_iobinding(binding)
+        except Exception as exc:
+            if kernels.is_stale_layout(exc):
+                raise self._sessions.stale_kernels_error() from None
+            raise
         return self.outputs
 
 
