@@ -115,8 +115,9 @@ static OrtStatus *q4_run(OrtKernelContext *ctx, int int16_activations) {
     int64_t K = x.dims[x.rank - 1], groups = q.dims[0], nb = q.dims[1], N = groups * MOBC_Q4_GROUP;
     if (K != nb * MOBC_Q4_BLOCK) return fail("MatMulQ4: x has K=%lld but the codes hold K=%lld", K, nb * MOBC_Q4_BLOCK);
     if (K > MOBC_Q4_MAX_K) return fail("MatMulQ4: K=%lld exceeds the kernel's %lld", K, MOBC_Q4_MAX_K);
-    for (const Tensor *t = &d; t != NULL; t = t == &d ? &o : NULL)
-        if (t->dims[0] != groups || t->dims[1] != nb || t->dims[2] != MOBC_Q4_GROUP)
+    const Tensor *per_block[2] = {&d, &o};
+    for (int i = 0; i < 2; i++)
+        if (per_block[i]->dims[0] != groups || per_block[i]->dims[1] != nb || per_block[i]->dims[2] != MOBC_Q4_GROUP)
             return fail("MatMulQ4: scales and offsets must be [N/4, K/32, 4] = [%lld, %lld, 4]", groups, nb);
     int64_t rows = 1, dims[MAX_DIMS];
     for (size_t i = 0; i + 1 < x.rank; i++) {

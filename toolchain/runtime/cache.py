@@ -44,7 +44,7 @@ class StackedRows(dict):
 
 def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
     """Consecutive indices as a slice (a view, no gather), anything else as is."""
-    if len(idx) and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and (len(idx) == 1 or (np.diff(idx) == 1).all()):
+    if len(idx) and (np.diff(idx) == 1).all():
         return slice(int(idx[0]), int(idx[-1]) + 1)
     return idx
 
@@ -85,14 +85,20 @@ class KVCache:
                 f"{self.context - width} (context {self.context}); use a shorter prompt or fewer new tokens"
             )
 
-    def past(self, width: int) -> dict[str, np.ndarray]:
+    def _stacked_past(self, width: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """Contiguous copies of the master's first CL-N slots, stacked K and V, and per-layer views
+        of them by input name."""
         self._check_room(width)
         past_len = self.context - width
+        keys = np.ascontiguousarray(self._keys[..., :past_len])
+        values = np.ascontiguousarray(self._values[:, :, :, :past_len])
         feeds = {}
         for i in range(self.layout.n_layers):
-            feeds[f"past_key_{i}"] = np.ascontiguousarray(self.keys[i][..., :past_len])
-            feeds[f"past_value_{i}"] = np.ascontiguousarray(self.values[i][:, :, :past_len])
-        return feeds
+            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = keys[i], values[i]
+        return keys, values, feeds
+
+    def past(self, width: int) -> dict[str, np.ndarray]:
+        return self._stacked_past(width)[2]
 
     def positions(self, depths: Sequence[int]) -> np.ndarray:
         return self.length + np.asarray(depths, dtype=np.int64)
@@ -143,7 +149,7 @@ class KVCache:
         """input_ids, masks and RoPE inputs of a call (everything but the past)."""
         k = len(tokens)
         if k == width == 1 and allowed_new is None and depths is None and past_allowed is None and not first_row:
-            return self._one_token_inputs(tokens[0], pad_token)
+            return self._one_token_inputs(tokens[0])
         if not 0 <= first_row <= width - k:
             raise ValueError(f"{k} tokens from row {first_row} do not fit a width-{width} graph")
         if past_allowed is not None and first_row:
@@ -165,7 +171,7 @@ class KVCache:
         feeds.update(self.rope_inputs(positions))
         return feeds
 
-    def _one_token_inputs(self, token: int, pad_token: int) -> dict[str, np.ndarray]:
+    def _one_token_inputs(self, token: int) -> dict[str, np.ndarray]:
         """What the general path computes for one token in a width-1 call (an AR decode step), built
         from slices instead of [N, CL] boolean algebra: ~0.3 ms less Python per decoded token."""
         cl, pos = self.context, min(self.length, self.context - 1)
@@ -199,12 +205,9 @@ class KVCache:
         if width not in self._bufs:
             self._check_room(width)
             bufs = {k: np.zeros_like(v) for k, v in self._new_token_inputs([], width, None, None, 0).items()}
-            past_len = self.context - width
             # a copy of the master, refreshed here before every use; each layer a view of one array
-            keys = np.ascontiguousarray(self._keys[..., :past_len])
-            values = np.ascontiguousarray(self._values[:, :, :, :past_len])
-            for i in range(self.layout.n_layers):
-                bufs[f"past_key_{i}"], bufs[f"past_value_{i}"] = keys[i], values[i]
+            keys, values, past = self._stacked_past(width)
+            bufs.update(past)
             self._past[width] = (keys, values)
             self._bufs[width] = bufs
         self._refresh(width)

@@ -9,7 +9,9 @@ inputs into the same arrays and reads the outputs from the same arrays.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -166,12 +168,20 @@ class ArtifactSessions:
             self.shared.add_to(opts, Path(path))
         return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
-    def stale_kernels_error(self) -> ArtifactError:
-        """What a run says when mobc's CPU kernels refused a graph compiled for an older layout of
-        their inputs (kernels.is_stale_layout). Checked on failure, not at open: reading each graph's
-        opset would cost an `import onnx`, ~0.8 s of start-up."""
-        return ArtifactError(f"{self.folder} was compiled for an older layout of mobc's CPU kernels than this "
-                             f"mobc's (mobc.cpu opset {kernels.OPSET}); " + fix_hint(self.folder, self.manifest))
+    @contextmanager
+    def reporting_stale_kernels(self) -> Iterator[None]:
+        """Around a run: mobc's CPU kernels refusing a graph compiled for an older layout of their
+        inputs (kernels.is_stale_layout) becomes an ArtifactError naming the recompile command.
+        Checked on failure, not at open: reading each graph's opset would cost an `import onnx`,
+        ~0.8 s of start-up."""
+        try:
+            yield
+        except Exception as exc:
+            if kernels.is_stale_layout(exc):
+                raise ArtifactError(
+                    f"{self.folder} was compiled for an older layout of mobc's CPU kernels than this mobc's "
+                    f"(mobc.cpu opset {kernels.OPSET}); " + fix_hint(self.folder, self.manifest)) from None
+            raise
 
     def _make_room(self, needed: int) -> None:
         if self.max_resident_bytes is None:
@@ -184,12 +194,8 @@ class ArtifactSessions:
 
     def run_stage(self, stage: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         sess = self.session(stage.name)
-        try:
+        with self.reporting_stale_kernels():
             outs = sess.run(stage.output_names, feeds)
-        except Exception as exc:
-            if kernels.is_stale_layout(exc):
-                raise self.stale_kernels_error() from None
-            raise
         return dict(zip(stage.output_names, outs, strict=True))
 
     def run_family(self, family: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -239,13 +245,9 @@ class BoundFamily:
             self.outputs.stacked = stacked.arrays  # KVCache.commit copies every layer's rows at once
 
     def run(self) -> dict[str, np.ndarray]:
-        try:
+        with self._sessions.reporting_stale_kernels():
             for sess, binding in self._runs:
                 sess.run_with_iobinding(binding)
-        except Exception as exc:
-            if kernels.is_stale_layout(exc):
-                raise self._sessions.stale_kernels_error() from None
-            raise
         return self.outputs
 
 
