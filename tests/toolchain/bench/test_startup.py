@@ -25,3 +25,21 @@ def test_measure_reports_every_mode(tiny_artifact):
     assert rows["unchecked"]["ratio"] == 1.0
     for r in rows.values():
         assert r["median_s"] > 0.2 and r["peak_rss_bytes"] > 50e6  # a real process that imported the runtime
+
+
+def test_first_token_is_measured_before_exit(tiny_artifact, tmp_path):
+    r = run_once("warm", tiny_artifact, "hi", tmp_path / "cache")
+    assert 0.2 < r["first_token_s"] < r["seconds"]  # the process still tears down after its token
+
+
+@pytest.mark.parametrize(("written", "expected"), [(b"hi", False), (b"hi there", True)])
+def test_first_text_after_skips_the_echoed_prompt(written, expected):
+    import os
+
+    from toolchain.bench.startup import first_text_after
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, written)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as stream:
+        assert first_text_after(stream, len(b"hi")) is expected
