@@ -6,11 +6,11 @@
 #define CHUNK 8
 
 /* [c, e): each past chunk of 8 slots that was scored (holds an admitted slot), then the new slots */
-#define FOR_SCORED_CHUNKS(c, e, ...) /* the body may hold commas */  \
+#define FOR_SCORED_CHUNKS(c, e, BODY)                                \
     for (int64_t c = 0, e; c < L; c = e) {                           \
         e = c < P ? (c + CHUNK < P ? c + CHUNK : P) : L;             \
         if (c < P && sc[c] == -INFINITY) continue;                   \
-        __VA_ARGS__                                                  \
+        BODY                                                         \
     }
 
 /* the body is compiled twice: with AVX2 + FMA (auto-vectorized over slots and head dims) and plain */
@@ -124,130 +124,6 @@ __attribute__((target("avx2,fma"))) static void row_avx2(
     ATTENTION_BODY
 }
 #undef EXP_MINUS_MAX
-
-/* ---- every query head of one KV group at once (AVX2): each key and value row is read once for
- * all of the group's heads, and the scores and outputs accumulate in registers ---- */
-
-#define HEAD_TILE 4   /* heads per pass: 4 x 2 score vectors or 4 x 2 output vectors in registers */
-#define SLOT_TILE 16  /* slots per score tile (two vectors) */
-
-/* scores of heads [h0, h0 + nh) over past slots [s0, s0 + n) (n <= SLOT_TILE): q . k, k read as the
- * transposed rows past_key[d, s] */
-__attribute__((target("avx2,fma"))) static void score_tile(const float *q, int64_t q_stride, int nh,
-                                                           const float *past_key, int64_t P, int64_t D,
-                                                           int64_t s0, int64_t n, float *sc, int64_t L) {
-    __m256 acc[HEAD_TILE][2];
-    for (int h = 0; h < HEAD_TILE; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-    if (n == SLOT_TILE) {
-        for (int64_t d = 0; d < D; d++) {
-            const float *k = past_key + d * P + s0;
-            __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8);
-            for (int h = 0; h < nh; h++) {
-                __m256 qd = _mm256_broadcast_ss(q + h * q_stride + d);
-                acc[h][0] = _mm256_fmadd_ps(qd, k0, acc[h][0]);
-                acc[h][1] = _mm256_fmadd_ps(qd, k1, acc[h][1]);
-            }
-        }
-        for (int h = 0; h < nh; h++) {
-            _mm256_storeu_ps(sc + h * L + s0, acc[h][0]);
-            _mm256_storeu_ps(sc + h * L + s0 + 8, acc[h][1]);
-        }
-        return;
-    }
-    for (int h = 0; h < nh; h++) /* a short tail: plain loops, the same products in the same order */
-        for (int64_t s = s0; s < s0 + n; s++) {
-            float a = 0.0f;
-            for (int64_t d = 0; d < D; d++) a = fmaf(q[h * q_stride + d], past_key[d * P + s], a);
-            sc[h * L + s] = a;
-        }
-}
-
-/* outputs of heads [h0, h0 + nh) for dims [d0, d0 + 16): sum over scored slots of p * v (sc: their
- * softmax numerators [nh, L], inv: one over each head's sum) */
-__attribute__((target("avx2,fma"))) static void value_tile(const float *sc, int64_t L, const float *inv, int nh,
-                                                           const float *past_value, const float *new_value,
-                                                           int64_t P, int64_t D, int64_t d0, float *out,
-                                                           int64_t out_stride) {
-    __m256 acc[HEAD_TILE][2];
-    for (int h = 0; h < HEAD_TILE; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-    FOR_SCORED_CHUNKS(c, e, {
-        for (int64_t s = c; s < e; s++) {
-            const float *v = (s < P ? past_value + s * D : new_value + (s - P) * D) + d0;
-            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-            for (int h = 0; h < nh; h++) {
-                float w = sc[h * L + s];
-                if (w == 0.0f) continue; /* a zero weight adds exactly nothing (a NaN value row stays unread) */
-                __m256 ph = _mm256_set1_ps(w * inv[h]);
-                acc[h][0] = _mm256_fmadd_ps(ph, v0, acc[h][0]);
-                acc[h][1] = _mm256_fmadd_ps(ph, v1, acc[h][1]);
-            }
-        }
-    })
-    for (int h = 0; h < nh; h++) {
-        _mm256_storeu_ps(out + h * out_stride + d0, acc[h][0]);
-        _mm256_storeu_ps(out + h * out_stride + d0 + 8, acc[h][1]);
-    }
-}
-
-/* every head of one KV group for one query row: q[h * q_stride + d], out[h * out_stride + d];
- * scratch: H * (P + Nn + 1) floats. D a multiple of 16. */
-__attribute__((target("avx2,fma"))) static void heads_avx2(
-    const float *q, int64_t q_stride, int64_t H, const float *past_key, const float *new_key,
-    const float *past_value, const float *new_value, const float *mask, int64_t D, int64_t P, int64_t Nn,
-    float scale, float *out, int64_t out_stride, float *scratch) {
-    int64_t L = P + Nn;
-    float *sc = scratch; /* [H, L] */
-    /* past slots: chunks holding an admitted slot are scored for every head, the others are -INFINITY */
-    for (int64_t c = 0; c < P;) {
-        int64_t first = c;
-        for (; c < P; c += CHUNK) {
-            int64_t e = c + CHUNK < P ? c + CHUNK : P;
-            int any = 0;
-            for (int64_t s = c; s < e; s++) any |= mask[s] > MOBC_MASKED;
-            if (!any) break;
-        }
-        int64_t last = c < P ? c : P; /* the run is [first, last) */
-        for (int64_t h0 = 0; h0 < H; h0 += HEAD_TILE) {
-            int nh = H - h0 < HEAD_TILE ? (int)(H - h0) : HEAD_TILE;
-            for (int64_t s0 = first; s0 < last; s0 += SLOT_TILE)
-                score_tile(q + h0 * q_stride, q_stride, nh, past_key, P, D, s0,
-                           last - s0 < SLOT_TILE ? last - s0 : SLOT_TILE, sc + h0 * L, L);
-        }
-        if (c < P) { /* the chunk that ended the run holds no admitted slot */
-            int64_t e = c + CHUNK < P ? c + CHUNK : P;
-            for (int64_t h = 0; h < H; h++)
-                for (int64_t s = c; s < e; s++) sc[h * L + s] = -INFINITY;
-            c = e;
-        }
-    }
-    float *inv = scratch + H * L;
-    for (int64_t h = 0; h < H; h++) {
-        float *sh = sc + h * L, mx = -INFINITY;
-        const float *qh = q + h * q_stride;
-        for (int64_t s = 0; s < P; s++) {
-            if (sh[s] == -INFINITY) continue;
-            sh[s] = sh[s] * scale + mask[s];
-            mx = sh[s] > mx ? sh[s] : mx;
-        }
-        for (int64_t j = 0; j < Nn; j++) {
-            float a = 0.0f;
-            for (int64_t d = 0; d < D; d++) a = fmaf(qh[d], new_key[d * Nn + j], a);
-            sh[P + j] = a * scale + mask[P + j];
-            mx = sh[P + j] > mx ? sh[P + j] : mx;
-        }
-        float sum = 0.0f;
-        FOR_SCORED_CHUNKS(c, e, {
-            exp_minus_max_avx2(sh + c, e - c, mx);
-            for (int64_t s = c; s < e; s++) sum += sh[s];
-        })
-        inv[h] = 1.0f / sum;
-    }
-    for (int64_t h0 = 0; h0 < H; h0 += HEAD_TILE) {
-        int nh = H - h0 < HEAD_TILE ? (int)(H - h0) : HEAD_TILE;
-        for (int64_t d0 = 0; d0 < D; d0 += 16)
-            value_tile(sc + h0 * L, L, inv + h0, nh, past_value, new_value, P, D, d0, out + h0 * out_stride, out_stride);
-    }
-}
 #endif
 
 int mobc_q4_vectorized(void);
@@ -262,20 +138,4 @@ void mobc_cache_attention_row(const float *q, const float *past_key, const float
     }
 #endif
     row_portable(q, past_key, new_key, past_value, new_value, mask, D, P, Nn, scale, out, scratch);
-}
-
-void mobc_cache_attention_heads(const float *q, int64_t q_stride, int64_t H, const float *past_key,
-                                const float *new_key, const float *past_value, const float *new_value,
-                                const float *mask, int64_t D, int64_t P, int64_t Nn, float scale, float *out,
-                                int64_t out_stride, float *scratch) {
-#if defined(__x86_64__) || defined(_M_X64)
-    if (mobc_q4_vectorized() && D % 16 == 0) {
-        heads_avx2(q, q_stride, H, past_key, new_key, past_value, new_value, mask, D, P, Nn, scale, out,
-                   out_stride, scratch);
-        return;
-    }
-#endif
-    for (int64_t h = 0; h < H; h++)
-        mobc_cache_attention_row(q + h * q_stride, past_key, new_key, past_value, new_value, mask, D, P, Nn, scale,
-                                 out + h * out_stride, scratch);
 }

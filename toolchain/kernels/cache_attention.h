@@ -23,13 +23,4 @@ void mobc_cache_attention_row(const float *q, const float *past_key, const float
                               const float *past_value, const float *new_value, const float *mask,
                               int64_t D, int64_t P, int64_t Nn, float scale, float *out, float *scratch);
 
-/* every query head h < H of one KV group for one query row, q[h * q_stride + d] -> out[h * out_stride + d]:
- * the rows' results (AVX2 with D a multiple of 16: each key and value row read once for all H heads,
- * scores and outputs accumulated in registers, products fused; else the row function per head).
- * scratch: at least H * (P + Nn + 1) floats */
-void mobc_cache_attention_heads(const float *q, int64_t q_stride, int64_t H, const float *past_key,
-                                const float *new_key, const float *past_value, const float *new_value,
-                                const float *mask, int64_t D, int64_t P, int64_t Nn, float scale, float *out,
-                                int64_t out_stride, float *scratch);
-
 #endif

@@ -204,16 +204,14 @@ typedef struct {
     float *out;
 } AttentionCall;
 
-static void attention_task(void *data, size_t task) {  /* task = g * N + n: every head of group g, row n */
+static void attention_task(void *data, size_t row) {  /* row = (g * H + h) * N + n */
     const AttentionCall *c = (const AttentionCall *)data;
-    int64_t n = (int64_t)task % c->N, g = (int64_t)task / c->N;
-    size_t need = (size_t)(c->H * (c->P + c->Nn + 1));
-    float stack[8192], *scratch = need <= 8192 ? stack : malloc(sizeof(float) * need);
-    if (scratch == NULL) return;  /* out of memory: the rows stay as written (zeros) */
-    int64_t first = (g * c->H * c->N + n) * c->D;  /* q and out are [G, H, N, D] */
-    mobc_cache_attention_heads(c->q + first, c->N * c->D, c->H, c->pk + g * c->D * c->P, c->nk + g * c->D * c->Nn,
-                               c->pv + g * c->P * c->D, c->nv + g * c->Nn * c->D, c->mask + n * (c->P + c->Nn),
-                               c->D, c->P, c->Nn, c->scale, c->out + first, c->N * c->D, scratch);
+    int64_t n = (int64_t)row % c->N, g = (int64_t)row / (c->H * c->N);
+    float stack[4096], *scratch = c->P + c->Nn <= 4096 ? stack : malloc(sizeof(float) * (c->P + c->Nn));
+    if (scratch == NULL) return;  /* out of memory: the row stays as written (zeros) */
+    mobc_cache_attention_row(c->q + row * c->D, c->pk + g * c->D * c->P, c->nk + g * c->D * c->Nn,
+                             c->pv + g * c->P * c->D, c->nv + g * c->Nn * c->D, c->mask + n * (c->P + c->Nn),
+                             c->D, c->P, c->Nn, c->scale, c->out + row * c->D, scratch);
     if (scratch != stack) free(scratch);
 }
 
@@ -245,7 +243,7 @@ static OrtStatus *attention_compute(void *kernel, OrtKernelContext *ctx) {
     memset(y, 0, sizeof(float) * (size_t)(G * H * N * D));
     AttentionCall call = {q->data, pk->data, nk->data, pv->data, nv->data, mask->data,
                           H, N, D, P, Nn, *(const float *)scale->data, y};
-    return API(KernelContext_ParallelFor, ParallelForFn)(ctx, attention_task, (size_t)(G * N), 0, &call);
+    return API(KernelContext_ParallelFor, ParallelForFn)(ctx, attention_task, (size_t)(G * H * N), 0, &call);
 }
 
 static void attention_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)attention_compute(kernel, ctx); }
