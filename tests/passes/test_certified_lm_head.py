@@ -67,26 +67,28 @@ def _node(graph: ir.Graph, label: str) -> ir.Node:
 
 
 @pytest.mark.parametrize("scale", [0.3, 3.0, 40.0])
-def test_the_bound_covers_the_int8_kernels_error(scale):
-    """|level-4 logits - float logits| <= the graph's own bound, on activations of very different
-    sizes and with a few massive channels (what defeats a bound that assumes one scale per row)."""
+def test_the_bounds_cover_the_int8_kernels_error(scale):
+    """|level-4 logits - float logits| <= the row's bound for every token, and <= the screened tokens'
+    own bounds for them, on activations of very different sizes and with a few massive channels
+    (what defeats a bound that assumes one scale per row)."""
     gs, _, _ = _certified("llama", 4)
     entry = next(iter(gs.entries.values()))
     graph = entry.model.graph
-    rows = _node(graph, "rows")
-    x = rows.inputs[0]
-    approx, upper = _node(graph, "approx").outputs[0].name, _node(graph, "upper").outputs[0].name
+    x = _node(graph, "rows").inputs[0]
+    names = {label: _node(graph, label).outputs[0].name for label in ("approx", "row_bound", "screened", "screened_bound")}
     table = const_array(_node(graph, "candidate_rows").inputs[0]).astype(np.float64)  # [V, C]
-    head = dataclasses.replace(entry, name="head", model=extract(entry.model, [x.name], [approx, upper], "head"))
+    head = dataclasses.replace(entry, name="head", model=extract(entry.model, [x.name], list(names.values()), "head"))
     rng = np.random.default_rng(1)
     for _ in range(20):
         h = (rng.standard_normal(shape_of(x)) * scale).astype(np.float32)
         h[..., rng.integers(0, h.shape[-1], 2)] *= 25
         out = ort_run(head, {x.name: h})
-        exact = h.reshape(-1, h.shape[-1]).astype(np.float64) @ table.T
-        slack = out[upper] - out[approx]  # the bound plus its pad
-        assert (slack > 0).all()
-        assert (np.abs(out[approx] - exact) <= slack).all()
+        err = np.abs(out[names["approx"]] - h.reshape(-1, h.shape[-1]).astype(np.float64) @ table.T)
+        row = out[names["row_bound"]] + certified.BOUND_PAD
+        assert row.shape == (err.shape[0], 1) and (err <= row).all()
+        screened_err = np.take_along_axis(err, out[names["screened"]], axis=1)
+        assert (screened_err <= out[names["screened_bound"]] + certified.BOUND_PAD).all()
+        assert (out[names["screened_bound"]] <= out[names["row_bound"]] * (1 + 1e-6)).all()  # the row's is the loosest
 
 
 def test_a_failed_certificate_falls_back_to_the_float_head(monkeypatch):
@@ -108,3 +110,33 @@ def test_later_passes_keep_the_certificate_a_valid_graph():
                            1e-5, feeds)
     assert all(r["worst"]["diff"] < 1e-5 for r in rows)
     assert all(any(n.op_type == "If" for n in e.model.graph) for e in out.entries.values())
+
+
+def test_the_certificate_compares_the_next_best_approximation_with_the_best_rescored_one():
+    """The rival of a row is its (K+1)-th approximate logit plus the bound: with the pad set just
+    above best_exact - rival_without_pad the certificate fails (float fallback everywhere), just
+    below it holds (the approximate logits off the candidates)."""
+    gs, feeds, float_logits = _certified("llama", 1)
+    entry = next(iter(gs.entries.values()))
+    fam = next(iter(gs.entries))
+    graph = entry.model.graph
+    best, rival = _node(graph, "best").outputs[0].name, _node(graph, "rival").outputs[0].name
+    probe = dataclasses.replace(entry, name="probe", model=extract(entry.model, [i.name for i in graph.inputs],
+                                                                 [best, rival], "probe"))
+    out = ort_run(probe, feeds[fam])
+    margin = float((out[best] - out[rival]).min())  # > 0: this call is certified with the default pad
+    assert margin > 0
+    for pad_delta, certified_expected in ((margin * 1.01, False), (margin * 0.5, True)):
+        monkey_pad = certified.BOUND_PAD + pad_delta
+        gs2, feeds2 = graphset_for("llama", (1,))
+        _head_on_q8_0(gs2)
+        old = certified.BOUND_PAD
+        certified.BOUND_PAD = monkey_pad
+        try:
+            for e in gs2.entries.values():
+                assert build("certified_lm_head").call(e.model).modified
+        finally:
+            certified.BOUND_PAD = old
+        got = ort_run(next(iter(gs2.entries.values())), feeds2[fam])["logits"]
+        is_float = np.allclose(got, float_logits[fam], atol=1e-6)
+        assert is_float != certified_expected
