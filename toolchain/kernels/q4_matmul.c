@@ -245,54 +245,80 @@ AVX2 static void float_tile(int64_t rows, const float *x, const float *xsum, con
     }
 }
 
-/* one block's integer dot product q_b . p_b as 8 int32 lanes: the 16 bytes widened to 16-bit lanes,
- * their low and high nibbles split by a mask and a shift, each multiplied with its 16 activations
- * and summed in pairs (pmaddwd; at most 2 * 15 * 32767 per lane, far from overflow) */
-AVX2 static inline __m256i i16_block_dot(const uint8_t *q, __m256i lo_x, __m256i hi_x) {
-    __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-    __m256i lo = _mm256_and_si256(c, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(c, 4);
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, lo_x), _mm256_madd_epi16(hi, hi_x));
-}
-
-/* the four columns' block dot products as one vector of 4 int32 lanes (exact integer sums): the
- * reduction stays in integers, so each block costs one conversion and two 4-lane fmas for its four
- * columns instead of a conversion, a lane broadcast and an fma per column (measured on one row of
- * SmolLM2's shapes: 1.8x the per-column epilogue, whose shuffles and conversions shared one port) */
-AVX2 static inline __m128i i16_group_dots(const uint8_t *q, __m256i lo_x, __m256i hi_x) {
-    __m256i t0 = i16_block_dot(q, lo_x, hi_x), t1 = i16_block_dot(q + BLOCK_BYTES, lo_x, hi_x);
-    __m256i t2 = i16_block_dot(q + 2 * BLOCK_BYTES, lo_x, hi_x), t3 = i16_block_dot(q + 3 * BLOCK_BYTES, lo_x, hi_x);
-    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(t0, t1), _mm256_hadd_epi32(t2, t3));
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
-
 /* codes are read this far ahead of use: the hardware prefetcher alone left one row's loop ~10% short
  * (measured on SmolLM2's shapes, 1024 and 2048 alike; a prefetch never faults past the end) */
 #define PREFETCH_BYTES 1024
 
-/* every row of a group in turn (the group's lines stay in L1 for the next row); each block adds
- * d s_b (q . p_b) and its offsets' share (o - 8 d) sum(x_b) for the group's four columns */
+/* TILE rows share each block's codes: per group block, the four columns' 32 codes are widened once
+ * into eight registers (low and high nibbles as int16) and every row of the tile takes its dot
+ * products against them; on more rows than one the pmaddwd work, not memory, bounds the loop, and
+ * widening per row cost it ~25% (SmolLM2's shapes, 8 rows). Each block adds d s_b (q . p_b) and the
+ * offsets' share (o - 8 d) sum(x_b); the four columns' int32 dots stay in integers up to one 8-lane
+ * conversion ([c0..c3 | c0..c3], halves added at the end: on one row 1.8x a per-column conversion and
+ * fma, whose shuffles and conversions shared one port), and every row runs the same steps whatever
+ * the tile, so a row's result does not depend on how many rows share its call (a verify row equals
+ * the decode step's bit for bit) */
+#define I16_TILE 8
+
+AVX2 static inline __attribute__((always_inline)) void i16_tile(
+    const int ROWS, const int16_t *xq, const float *xscale, const float *xsum, const MobcQ4Weights *w, float *y,
+    int64_t g0, int64_t g1) {
+    int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
+    const __m128 minus8 = _mm_set1_ps(-8.0f);
+    const __m256i nibble = _mm256_set1_epi16(0x0F);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *q = w->codes + g * nb * GROUP_BYTES;
+        __m256 acc[I16_TILE];
+        __m128 share[I16_TILE];
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps(), share[r] = _mm_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, q += GROUP_BYTES) {
+            _mm_prefetch((const char *)(q + PREFETCH_BYTES), _MM_HINT_T0);
+            __m256i lo[MOBC_Q4_GROUP], hi[MOBC_Q4_GROUP];
+            for (int c = 0; c < MOBC_Q4_GROUP; c++) {
+                __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + c * BLOCK_BYTES)));
+                lo[c] = _mm256_and_si256(v, nibble), hi[c] = _mm256_srli_epi16(v, 4);
+            }
+            int64_t i = (g * nb + b) * MOBC_Q4_GROUP;
+            __m128 d = four(w->scales, w->half, i), o8 = _mm_fmadd_ps(d, minus8, four(w->offsets, w->half, i));
+            __m256 d2 = _mm256_set_m128(d, d);
+            for (int r = 0; r < ROWS; r++) {
+                const int16_t *xb = xq + r * K + b * MOBC_Q4_BLOCK;
+                __m256i lo_x = _mm256_loadu_si256((const __m256i *)xb);
+                __m256i hi_x = _mm256_loadu_si256((const __m256i *)(xb + 16));
+                __m256i t[MOBC_Q4_GROUP];
+                for (int c = 0; c < MOBC_Q4_GROUP; c++)  /* at most 2 * 15 * 32767 per lane: no overflow */
+                    t[c] = _mm256_add_epi32(_mm256_madd_epi16(lo[c], lo_x), _mm256_madd_epi16(hi[c], hi_x));
+                __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(d2, _mm256_set1_ps(xscale[r * nb + b])), acc[r]);
+                share[r] = _mm_fmadd_ps(o8, _mm_set1_ps(xsum[r * nb + b]), share[r]);
+            }
+        }
+        for (int r = 0; r < ROWS; r++) {
+            __m128 dots = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+            _mm_storeu_ps(y + r * N + g * MOBC_Q4_GROUP, _mm_add_ps(dots, share[r]));
+        }
+    }
+}
+
+/* M rows in tiles of up to I16_TILE (each tile size its own unrolled loop) */
 AVX2 static void i16_rows(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
                           const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1) {
     int64_t K = w->K, N = w->N, nb = K / MOBC_Q4_BLOCK;
-    const __m128 minus8 = _mm_set1_ps(-8.0f);
-    for (int64_t g = g0; g < g1; g++)
-        for (int64_t r = 0; r < M; r++) {
-            const uint8_t *q = w->codes + g * nb * GROUP_BYTES;
-            const int16_t *xr = xq + r * K;
-            const float *sr = xscale + r * nb, *xs = xsum + r * nb;
-            __m128 acc = _mm_setzero_ps(), share = _mm_setzero_ps();
-            for (int64_t b = 0; b < nb; b++, q += GROUP_BYTES) {
-                _mm_prefetch((const char *)(q + PREFETCH_BYTES), _MM_HINT_T0);
-                __m256i lo_x = _mm256_loadu_si256((const __m256i *)(xr + b * MOBC_Q4_BLOCK));
-                __m256i hi_x = _mm256_loadu_si256((const __m256i *)(xr + b * MOBC_Q4_BLOCK + 16));
-                __m128i t = i16_group_dots(q, lo_x, hi_x);
-                int64_t i = (g * nb + b) * MOBC_Q4_GROUP;
-                __m128 d = four(w->scales, w->half, i), o = four(w->offsets, w->half, i);
-                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(t), _mm_mul_ps(d, _mm_set1_ps(sr[b])), acc);
-                share = _mm_fmadd_ps(_mm_fmadd_ps(d, minus8, o), _mm_set1_ps(xs[b]), share);
-            }
-            _mm_storeu_ps(y + r * N + g * MOBC_Q4_GROUP, _mm_add_ps(acc, share));
+    for (int64_t r0 = 0; r0 < M; r0 += I16_TILE) {
+        const int16_t *x = xq + r0 * K;
+        const float *s = xscale + r0 * nb, *xs = xsum + r0 * nb;
+        float *yr = y + r0 * N;
+        switch (M - r0 < I16_TILE ? M - r0 : I16_TILE) {
+        case 1: i16_tile(1, x, s, xs, w, yr, g0, g1); break;
+        case 2: i16_tile(2, x, s, xs, w, yr, g0, g1); break;
+        case 3: i16_tile(3, x, s, xs, w, yr, g0, g1); break;
+        case 4: i16_tile(4, x, s, xs, w, yr, g0, g1); break;
+        case 5: i16_tile(5, x, s, xs, w, yr, g0, g1); break;
+        case 6: i16_tile(6, x, s, xs, w, yr, g0, g1); break;
+        case 7: i16_tile(7, x, s, xs, w, yr, g0, g1); break;
+        default: i16_tile(8, x, s, xs, w, yr, g0, g1); break;
         }
+    }
 }
 
 /* one block of 32 floats rounded to int16 in the kernel's lane order (as mobc_q4_quantize_i16_portable

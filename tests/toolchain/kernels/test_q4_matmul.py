@@ -94,6 +94,22 @@ def test_int16_activations_stay_within_their_rounding_bound(k, n, rows, threads,
     assert err.max() > 1e-6 * np.abs(ref).max()  # it does round: not the float kernel under another name
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int16_rows_do_not_depend_on_their_call(threads):
+    """A verify call's row equals the one-row decode step's bit for bit: eleven rows in one call (a tile
+    of eight and one of three) against each row alone, so speculation verifies what AR would decode."""
+    rng = np.random.default_rng(11)
+    k, n = 192, 72
+    codes, d, c = _grid(k, n, False, True, rng)
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    so = session_options(threads)
+    run = {rows: ort.InferenceSession(_model(k, n, [rows], codes, d, c, "MatMulQ4I16"), so,
+                                      providers=["CPUExecutionProvider"]) for rows in (1, 11)}
+    together = run[11].run(None, {"x": x})[0]
+    alone = np.concatenate([run[1].run(None, {"x": x[r:r + 1]})[0] for r in range(11)])
+    np.testing.assert_array_equal(together, alone)
+
+
 def test_pack_roundtrip_and_layout():
     rng = np.random.default_rng(1)
     codes = rng.integers(-8, 8, (64, 8)).astype(np.int8)
