@@ -10,7 +10,9 @@ Rewrite rules (blocks of `block_size` along the input axis):
     added to its output: x @ W = x @ (d*k) + blocksum(x) @ Cb exactly in real arithmetic.
   - with `int8: true`, a weight on no int4 grid but on a symmetric int8 one (Q8_0: embeddings and
     lm_head) -> `MatMulNBits(x, q = k + 128, d)`, bits 8 (fast only with accuracy_level 4).
-  - weights on no grid stay float MatMuls (a random-weight model has none on a grid).
+  - weights on no grid stay float MatMuls (a random-weight model has none on a grid), unless
+    `round_bits` rounds them to a symmetric grid first (a draft head's trained weights: a second
+    rounding, so never for a target).
 `accuracy_level` is MatMulNBits' own: 0 computes in float32 (the float graph's semantics, the
 default), 4 quantizes activations to int8 inside the kernel (faster, no longer exact).
 `split_rows: R` runs graphs of at most R rows through the int8 kernel at float32 precision, their
@@ -61,7 +63,7 @@ def _weight(node: ir.Node) -> np.ndarray | None:
     return None if found is None else found[0].T
 
 
-def _fit(w: np.ndarray, block: int, int8: bool) -> tuple[GridFit, int] | None:
+def _fit(w: np.ndarray, block: int, int8: bool, round_bits: int = 0) -> tuple[GridFit, int] | None:
     if w.dtype != np.float32 or w.shape[0] % block:
         return None
     fit = fit_block_grid(w, block, "int4")
@@ -71,7 +73,21 @@ def _fit(w: np.ndarray, block: int, int8: bool) -> tuple[GridFit, int] | None:
         fit = fit_block_grid(w, block, "int8")
         if fit is not None and fit.offset is None:
             return fit, 8
+    if round_bits:
+        return round_to_grid(w, block, round_bits), round_bits
     return None
+
+
+def round_to_grid(w: np.ndarray, block: int, bits: int) -> GridFit:
+    """W[C, O] rounded to the nearest point of a symmetric grid per block of `block` inputs (GGUF's
+    Q8_0 for 8 bits; 4 bits: k in -7..7, d = max|w_b| / 7), the way llama.cpp quantizes a float
+    tensor: a second rounding, for graphs whose outputs are guesses (a draft head), not exact ones."""
+    top = (1 << (bits - 1)) - 1
+    blocks = w.reshape(w.shape[0] // block, block, w.shape[1])
+    d = np.abs(blocks).max(1) / top  # [C/block, O]
+    safe = np.where(d > 0, d, 1.0)
+    k = np.clip(np.rint(blocks / safe[:, None]), -top, top).astype(np.int8).reshape(w.shape)
+    return GridFit(codes=k, scale=d.astype(np.float32), offset=None, dtype=f"int{bits}")
 
 
 def pack_codes(codes: np.ndarray, bits: int, block: int) -> np.ndarray:
@@ -217,13 +233,18 @@ class MatMulNBits(GraphPass):
         # (MatMulQ4I16: each 32-block of a row rounded to int16 on its own scale, error at most
         # max|x_b| / 65534 per element, exact integer dot products; ~1.5x MatMulQ4's speed)
         kernel_activations: Literal["float32", "int16"] = "float32"
+        # weights on no grid rounded to a symmetric grid of this many bits per block (8: Q8_0, with
+        # int8: true and accuracy_level 4 the fast int8 kernel; 4: k in -7..7) instead of staying
+        # float: for draft heads, whose numbers need only be good guesses (the recipe's tolerance
+        # and the bench's acceptance say how good). None: never round a second time
+        round_bits: Literal[4, 8] | None = None
 
     def rewrite(self, model: ir.Model) -> bool:
         cfg = self.config
         changed = False
         for node in list(model.graph):
             found = _weight(node)
-            fitted = _fit(found, cfg.block_size, cfg.int8) if found is not None else None
+            fitted = _fit(found, cfg.block_size, cfg.int8, cfg.round_bits or 0) if found is not None else None
             if fitted is None:
                 continue
             if cfg.kernel_rows and fitted[1] == 4:
@@ -241,7 +262,8 @@ class MatMulNBits(GraphPass):
     def ensures(self, model: ir.Model) -> None:
         for node in model.graph:
             found = _weight(node)
-            if found is not None and _fit(found, self.config.block_size, self.config.int8) is not None:
+            if found is not None and _fit(found, self.config.block_size, self.config.int8,
+                                          self.config.round_bits or 0) is not None:
                 raise AssertionError(f"MatMul {node.name} has a weight on a block grid and was not converted")
             if node.op_type in KERNEL_OPS.values() and node.domain == kernels.DOMAIN:
                 packed, scales, offsets = (const_array(v) for v in node.inputs[1:4])

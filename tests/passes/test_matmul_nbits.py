@@ -105,6 +105,31 @@ def test_weights_on_no_grid_stay_float():
     assert not build("matmul_nbits").call(entry.model).modified  # random weights: nothing to convert
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_round_bits_puts_off_grid_weights_on_the_nearest_grid_point(bits):
+    """A draft head's float weights: rounded once to a symmetric block grid (each weight within half a
+    step of its own, the block's largest at its grid's end), then run like any grid weight."""
+    from passes.matmul_nbits import round_to_grid
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((96, 40)).astype(np.float32)
+    w[:32, 3] = 0.0  # an all-zero block: scale 0, codes 0, no division by it
+    fit = round_to_grid(w, 32, bits)
+    top = (1 << (bits - 1)) - 1
+    step = np.repeat(fit.scale, 32, 0)
+    assert np.abs(fit.codes).max() == top and fit.offset is None
+    assert (np.abs(fit.symmetric() - w) <= step / 2 * (1 + 1e-6)).all()
+    assert (fit.symmetric()[:32, 3] == 0).all()
+    gs, feeds = graphset_for("llama", (1, 4))
+    cfg = {"matmul_nbits": {"int8": True, "accuracy_level": 4, "round_bits": bits}}
+    out, rows = run_passes(gs, ["fold_constants", cfg], 1.0, feeds)
+    for entry in out.entries.values():
+        build(cfg).ensures(entry.model)
+        assert not [n for n in entry.model.graph if n.op_type == "MatMul" and const_array(n.inputs[1]) is not None]
+        assert {n.attributes["bits"].value for n in entry.model.graph if n.op_type == "MatMulNBits"} == {bits}
+    assert 0 < rows[-1]["worst"]["diff"] < 1.0  # a second rounding moves the outputs, within the recipe's bound
+
+
 def test_checks_run_the_kernels_the_runtime_runs():
     """accuracy_level 4 (int8 activations) is what onnxruntime runs with prepacked weights; the pass
     check must see that change, not the float fallback an unpacked session computes."""
