@@ -204,14 +204,17 @@ typedef struct {
     float *out;
 } AttentionCall;
 
-static void attention_task(void *data, size_t row) {  /* row = (g * H + h) * N + n */
+/* one task per (group, head): its N rows together, so each key chunk and value row is read once for
+ * all of them (SmolLM2's shapes, 200 admitted slots, in C: 1.61x the row-at-a-time kernel on a
+ * verify call's 8 rows, 2.27x on 32, 1.17x on one), and a row's result is the same in any call */
+static void attention_task(void *data, size_t head) {  /* head = g * H + h */
     const AttentionCall *c = (const AttentionCall *)data;
-    int64_t n = (int64_t)row % c->N, g = (int64_t)row / (c->H * c->N);
-    float stack[4096], *scratch = c->P + c->Nn <= 4096 ? stack : malloc(sizeof(float) * (c->P + c->Nn));
-    if (scratch == NULL) return;  /* out of memory: the row stays as written (zeros) */
-    mobc_cache_attention_row(c->q + row * c->D, c->pk + g * c->D * c->P, c->nk + g * c->D * c->Nn,
-                             c->pv + g * c->P * c->D, c->nv + g * c->Nn * c->D, c->mask + n * (c->P + c->Nn),
-                             c->D, c->P, c->Nn, c->scale, c->out + row * c->D, scratch);
+    int64_t g = (int64_t)head / c->H, L = c->P + c->Nn, need = ((c->N < 8 ? c->N : 8) + 2) * L;
+    float stack[4096], *scratch = need <= 4096 ? stack : malloc(sizeof(float) * (size_t)need);
+    if (scratch == NULL) return;  /* out of memory: the rows stay as written (zeros) */
+    mobc_cache_attention_rows(c->N, c->q + (int64_t)head * c->N * c->D, c->mask, c->pk + g * c->D * c->P,
+                              c->nk + g * c->D * c->Nn, c->pv + g * c->P * c->D, c->nv + g * c->Nn * c->D,
+                              c->D, c->P, c->Nn, c->scale, c->out + (int64_t)head * c->N * c->D, scratch);
     if (scratch != stack) free(scratch);
 }
 
@@ -243,7 +246,7 @@ static OrtStatus *attention_compute(void *kernel, OrtKernelContext *ctx) {
     memset(y, 0, sizeof(float) * (size_t)(G * H * N * D));
     AttentionCall call = {q->data, pk->data, nk->data, pv->data, nv->data, mask->data,
                           H, N, D, P, Nn, *(const float *)scale->data, y};
-    return API(KernelContext_ParallelFor, ParallelForFn)(ctx, attention_task, (size_t)(G * H * N), 0, &call);
+    return API(KernelContext_ParallelFor, ParallelForFn)(ctx, attention_task, (size_t)(G * H), 0, &call);
 }
 
 static void attention_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)attention_compute(kernel, ctx); }
