@@ -218,7 +218,9 @@ def bench_diffusion(
     from toolchain.bench.diffusion import bench, prefetch_section
     from toolchain.bench.prompts import load_prompts
     from toolchain.runtime.model import StepModel
+    from toolchain.runtime.sessions import share_thread_pool
 
+    share_thread_pool(threads)
     model = StepModel(artifact, threads=threads)
     names = [c.strip() for c in configs.split(",") if c.strip()]
     res = bench(model, names, load_prompts(prompts), max_new_tokens, block, steps, threshold, device, dram,
@@ -276,7 +278,9 @@ def bench_ctg_cmd(
     from toolchain.bench.prompts import load_prompts
     from toolchain.runtime.adapters import resolve_adapter
     from toolchain.runtime.model import StepModel
+    from toolchain.runtime.sessions import share_thread_pool
 
+    share_thread_pool(threads)
     model = StepModel(artifact, threads=threads)
     pool = [None if a == "base" else resolve_adapter(artifact, a) for a in adapter] or [None]
     styles = [pool[i % len(pool)] for i in range(k)]
@@ -311,7 +315,9 @@ def bench_ds2d_cmd(
     from toolchain.bench.prompts import load_prompts
     from toolchain.runtime.model import StepModel
     from toolchain.runtime.policies.ds2d import load_forecast
+    from toolchain.runtime.sessions import share_thread_pool
 
+    share_thread_pool(threads)
     model = StepModel(artifact, threads=threads)
     res = bench_ds2d(model, load_forecast(artifact, forecast), load_prompts(prompts), max_new_tokens, depth, log=log)
     table = Table(title=f"ds2d {res['artifact']} (m={res['m']}) on {res['prompts']} prompts, greedy")

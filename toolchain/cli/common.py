@@ -45,9 +45,11 @@ def ep_options(items: list[str]) -> dict[str, str]:
 
 
 def load_models(artifact: Path, draft: Path | None, provider: str, threads: int | None, ep: list[str]):
-    """(target, draft or None) StepModels on one provider."""
+    """(target, draft or None) StepModels on one provider, every session on one thread pool."""
     from toolchain.runtime.model import StepModel
+    from toolchain.runtime.sessions import share_thread_pool
 
+    share_thread_pool(threads)  # a draft's and a target's sessions take turns: one pool, not one each
     target = StepModel(artifact, provider, threads, ep_options(ep))
     return target, attach_draft(target, draft, provider, threads, ep) if draft else None
 

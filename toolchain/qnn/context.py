@@ -181,15 +181,17 @@ def session(
     provider: Literal["cpu", "qnn"] = "cpu",
     options: Mapping[str, str] | None = None,
     config: Mapping[str, str] | None = None,
+    base: Any = None,
 ) -> Any:
     """An InferenceSession on the CPU EP, or on QNN HTP alone (no silent CPU fallback).
 
-    options: QNN provider options (see `provider_options`); config: session config entries.
+    options: QNN provider options (see `provider_options`); config: session config entries; base:
+    SessionOptions to start from (the runtime's, with its thread pool).
     A backend rejection is raised as QnnCompileError naming the nodes and the pass that fixes them.
     """
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
+    so = base if base is not None else ort.SessionOptions()
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     if provider == "cpu":

@@ -35,14 +35,47 @@ CPU_FORM_PASSES = ("matmul_nbits", "certified_lm_head", "fuse_rmsnorm", "fuse_ro
 PART_BUDGET_BYTES = float(os.environ.get("MOBC_PART_BUDGET_BYTES", 1.0e9))
 
 
+# One intra-op thread pool for all of a process's sessions, when the process is a mobc command that
+# runs models (`share_thread_pool`). Each session's own pool keeps a thread spinning after its call,
+# so a target's verify sessions and a draft's sessions taking turns on 2 cores fought over them
+# (`mobc bench decode`, int16 CPU form + int8 head, 2 threads, 16 prompts: chain+lookup 0.32x ar and
+# lever+cpu+lookup 0.48x with a pool per session; 0.70x and 0.85x with one shared pool, ar unchanged
+# at 114-118 tok/s; spinning off everywhere instead cost ar 18%). onnxruntime decides it once per
+# process and then refuses sessions with pools of their own, so it is only done before the process
+# opened any session through here (a library user's or a test process's sessions keep their pools).
+_threads = {"opened": False, "shared": False}
+
+
+def share_thread_pool(threads: int | None) -> bool:
+    """From here on every session of this process runs on one intra-op pool of `threads` (None: one
+    thread per core), unless sessions were opened already (then nothing changes). True when shared."""
+    if _threads["shared"]:
+        return True
+    if _threads["opened"]:
+        return False
+    from onnxruntime.capi import _pybind_state
+
+    _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+    _threads["shared"] = True
+    return True
+
+
+def thread_options(so: ort.SessionOptions, threads: int | None) -> ort.SessionOptions:
+    """`so` on the process's shared pool, or on a pool of its own of `threads`."""
+    _threads["opened"] = True
+    if _threads["shared"]:
+        so.use_per_session_threads = False
+    elif threads:
+        so.intra_op_num_threads = threads
+    return so
+
+
 def session_options(threads: int | None = None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_session_config_entry(*QDQ_EXACT)
     kernels.register(so)  # mobc's own CPU ops (toolchain/kernels/), when this machine can build them
-    if threads:
-        so.intra_op_num_threads = threads
-    return so
+    return thread_options(so, threads)
 
 
 def reopenable_session_options(threads: int | None = None, prepack: bool = False) -> ort.SessionOptions:
@@ -157,7 +190,8 @@ class ArtifactSessions:
         if self.provider == "qnn":
             from toolchain.qnn import context as qnn  # optional plugin EP
 
-            return qnn.session(path, provider="qnn", options=self.provider_options)
+            return qnn.session(path, provider="qnn", options=self.provider_options,
+                               base=thread_options(ort.SessionOptions(), self.threads))
         if self.max_resident_bytes is not None:
             opts = reopenable_session_options(self.threads, prepack=prepacking_changes_numerics(graph_op_types(path)))
         else:

@@ -187,3 +187,27 @@ def test_cli_run_and_bench_decode(artifacts, tmp_path):
     # chain's speedup is ar's phone time per token over chain's (not a ratio of ar with itself)
     assert rows["chain"]["speedup_phone"] == pytest.approx(
         rows["ar"]["phone_ms_per_token"] / rows["chain"]["phone_ms_per_token"])
+
+
+def test_a_mobc_process_runs_target_and_draft_on_one_thread_pool(artifacts):
+    """`mobc run` as its own process shares one intra-op pool between the target's and the draft's
+    sessions (toolchain/runtime/sessions.py), and decodes what the policy decodes in this process."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from toolchain.cli.main import app
+
+    target_dir, draft_dir = artifacts
+    args = ["run", str(target_dir), "--prompt", PROMPTS[1], "--policy", "chain", "--draft", str(draft_dir),
+            "--max-new-tokens", "12", "--threads", "2"]
+    here = CliRunner().invoke(app, args)  # this process opened sessions already: pools of their own
+    assert here.exit_code == 0, here.output
+    code = ("import sys; from toolchain.runtime import sessions; from toolchain.cli.main import main; "
+            "sys.argv = ['mobc', *sys.argv[1:]]\n"
+            "try:\n    main()\nfinally:\n    print('shared' if sessions._threads['shared'] else 'own', file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().endswith("shared")
+    assert len(done.stdout) > len(PROMPTS[1]) and done.stdout == here.stdout  # the prompt and the same text
