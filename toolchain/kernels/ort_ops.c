@@ -210,7 +210,7 @@ typedef struct {
 static void attention_task(void *data, size_t head) {  /* head = g * H + h */
     const AttentionCall *c = (const AttentionCall *)data;
     int64_t g = (int64_t)head / c->H, L = c->P + c->Nn, need = ((c->N < 8 ? c->N : 8) + 2) * L;
-    float stack[4096], *scratch = need <= 4096 ? stack : malloc(sizeof(float) * (size_t)need);
+    float stack[16384], *scratch = need <= 16384 ? stack : malloc(sizeof(float) * (size_t)need);  /* 64 KB: 8 rows of up to 1638 slots */
     if (scratch == NULL) return;  /* out of memory: the rows stay as written (zeros) */
     mobc_cache_attention_rows(c->N, c->q + (int64_t)head * c->N * c->D, c->mask, c->pk + g * c->D * c->P,
                               c->nk + g * c->D * c->Nn, c->pv + g * c->P * c->D, c->nv + g * c->Nn * c->D,
