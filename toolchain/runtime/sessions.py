@@ -55,7 +55,10 @@ def share_thread_pool(threads: int | None) -> bool:
         return False
     from onnxruntime.capi import _pybind_state
 
-    _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+    set_sizes = getattr(_pybind_state, "set_global_thread_pool_sizes", None)  # a build without it: own pools
+    if set_sizes is None:
+        return False
+    set_sizes(threads or 0, 1)
     _threads["shared"] = True
     return True
 

@@ -112,7 +112,22 @@ def test_the_cpu_simulation_of_quantized_products_is_exact(rows, bits, int8_chan
     # blocks at 16 bits, MatMulNBits with int8 activations; 11 for uint8 x int8, AVX2's saturating
     # kernels, 138 on a 0/1 x 127 indicator weight)
     default = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    assert np.abs(default.run(["out"], {"x": x})[0] - exact).max() > 5 * step
+    off = np.abs(default.run(["out"], {"x": x})[0] - exact).max()
+    if bits == 8 and _int8_dot_products_without_saturation():
+        # VNNI's vpdpbusd sums uint8 x int8 products in int32, so the fused kernel is exact here too
+        # (measured on an AVX-512 VNNI EPYC: 1.9e-07); CPUs with plain AVX2 saturate in int16 (11 steps)
+        assert off <= 1.01 * step
+    else:
+        assert off > 5 * step
+
+
+def _int8_dot_products_without_saturation() -> bool:
+    """x86 CPUs with VNNI (AVX-512 or AVX-VNNI), whose int8 dot products accumulate in int32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 def test_constant_weight_linears_are_left_alone():
