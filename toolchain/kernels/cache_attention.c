@@ -122,6 +122,32 @@ __attribute__((target("avx2,fma"))) static inline void exp_minus_max8(float *x, 
     }
 }
 
+#define QB_MAX 8
+#define TILE 8 /* registers of sums per pass */
+
+/* scores of QB rows over NC (compile-time) runs of 8 slots: keys[d * stride + 8 j + lane] for head dim
+ * d, each sum fused-multiply-added over the dims in order from 0, then scaled and masked;
+ * sc[i * L + 8 j + lane] = sum * scale + mask[i * L + 8 j + lane] */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void score_tile(
+    const int QB, const int NC, const float *restrict q, int64_t D, const float *restrict keys, int64_t stride,
+    const float *restrict mask, float *restrict sc, int64_t L, float scale) {
+    __m256 acc[QB_MAX][TILE];
+    for (int i = 0; i < QB; i++)
+        for (int j = 0; j < NC; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const float *krow = keys + d * stride;
+        for (int i = 0; i < QB; i++) {
+            __m256 qd = _mm256_set1_ps(q[i * D + d]);
+            for (int j = 0; j < NC; j++) acc[i][j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(krow + j * CHUNK), acc[i][j]);
+        }
+    }
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int i = 0; i < QB; i++)
+        for (int j = 0; j < NC; j++)
+            _mm256_storeu_ps(sc + i * L + j * CHUNK, _mm256_add_ps(_mm256_mul_ps(acc[i][j], vscale),
+                                                                 _mm256_loadu_ps(mask + i * L + j * CHUNK)));
+}
+
 /* QB (a compile-time 1..8) query rows of one KV group at once: every key chunk and value row is
  * loaded once for all of them, and the register tile is QB rows x (8 / QB) chunks of slots (scores)
  * or of head dims (values), so even one row keeps eight independent sums in flight. A row's
@@ -130,8 +156,6 @@ __attribute__((target("avx2,fma"))) static inline void exp_minus_max8(float *x, 
  * verify row's attention equals the decode step's bit for bit. A chunk is scored when any row of the
  * block admits a slot in it: a slot another row admits gets this row's MASK_MIN, weight exactly 0, and
  * a zero weight adds nothing (its value row is not read into that row's sum: it may hold anything). */
-#define QB_MAX 8
-#define TILE 8 /* registers of sums per pass */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void rows_block(
     const int QB, const float *restrict q, const float *restrict mask, const float *restrict past_key,
     const float *restrict new_key, const float *restrict past_value, const float *restrict new_value, int64_t D,
@@ -139,8 +163,8 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
     int32_t *restrict weighed) {
     const int CB = TILE / QB > 0 ? TILE / QB : 1; /* chunks (scores) or 8-dim slices (values) per pass */
     const int64_t L = P + Nn, full = P / CHUNK * CHUNK;
-    const __m256 vscale = _mm256_set1_ps(scale);
-    /* the chunks any row admits, as runs of consecutive chunks: list[i] = first slot of a scored chunk */
+    /* the chunks any row admits: list[i] = first slot of a scored chunk (only those and the new slots
+     * are read below, so the others' scores are never written) */
     int64_t chunks = 0;
     for (int64_t c = 0; c < P; c += CHUNK) {
         int64_t e = c + CHUNK < P ? c + CHUNK : P;
@@ -148,9 +172,6 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
         for (int i = 0; i < QB; i++)
             for (int64_t s = c; s < e; s++) any |= mask[i * L + s] > MOBC_MASKED;
         if (any) list[chunks++] = (int32_t)c;
-        else
-            for (int i = 0; i < QB; i++)
-                for (int64_t s = c; s < e; s++) sc[i * L + s] = -INFINITY;
     }
     /* scores: CB consecutive full chunks x QB rows per pass over the head dims */
     for (int64_t k = 0; k < chunks;) {
@@ -164,51 +185,18 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
                     for (int64_t d = 0; d < D; d++) a = fmaf(q[i * D + d], past_key[d * P + s], a);
                     sc[i * L + s] = a * scale + mask[i * L + s];
                 }
-            k++;
-            continue;
-        }
-        if (run == CB) {
-            __m256 acc[QB_MAX][TILE];
-            for (int i = 0; i < QB; i++)
-                for (int j = 0; j < CB; j++) acc[i][j] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d++) {
-                const float *krow = past_key + d * P + c;
-                for (int i = 0; i < QB; i++) {
-                    __m256 qd = _mm256_set1_ps(q[i * D + d]);
-                    for (int j = 0; j < CB; j++) acc[i][j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(krow + j * CHUNK), acc[i][j]);
-                }
-            }
-            for (int i = 0; i < QB; i++)
-                for (int j = 0; j < CB; j++)
-                    _mm256_storeu_ps(sc + i * L + c + j * CHUNK, _mm256_add_ps(_mm256_mul_ps(acc[i][j], vscale),
-                                                                             _mm256_loadu_ps(mask + i * L + c + j * CHUNK)));
+        } else if (run == CB) {
+            score_tile(QB, CB, q, D, past_key + c, P, mask + c, sc + c, L, scale);
         } else { /* fewer consecutive chunks than a pass takes: one at a time */
-            for (int r = 0; r < run; r++) {
-                __m256 acc[QB_MAX];
-                for (int i = 0; i < QB; i++) acc[i] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < D; d++) {
-                    __m256 kv = _mm256_loadu_ps(past_key + d * P + c + r * CHUNK);
-                    for (int i = 0; i < QB; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(q[i * D + d]), kv, acc[i]);
-                }
-                for (int i = 0; i < QB; i++)
-                    _mm256_storeu_ps(sc + i * L + c + r * CHUNK, _mm256_add_ps(_mm256_mul_ps(acc[i], vscale),
-                                                                               _mm256_loadu_ps(mask + i * L + c + r * CHUNK)));
-            }
+            for (int r = 0; r < run; r++)
+                score_tile(QB, 1, q, D, past_key + c + r * CHUNK, P, mask + c + r * CHUNK, sc + c + r * CHUNK, L, scale);
         }
         k += run;
     }
-    /* the new slots' scores: eight at a time, QB rows in registers (lane j's fma chain is the scalar one's) */
+    /* the new slots' scores: eight at a time (lane j's fma chain is the scalar one's), then the rest */
     int64_t j0 = 0;
-    for (; j0 + 8 <= Nn; j0 += 8) {
-        __m256 acc[QB_MAX];
-        for (int i = 0; i < QB; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d++) {
-            __m256 kv = _mm256_loadu_ps(new_key + d * Nn + j0);
-            for (int i = 0; i < QB; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(q[i * D + d]), kv, acc[i]);
-        }
-        for (int i = 0; i < QB; i++)
-            _mm256_storeu_ps(sc + i * L + P + j0, _mm256_add_ps(_mm256_mul_ps(acc[i], vscale), _mm256_loadu_ps(mask + i * L + P + j0)));
-    }
+    for (; j0 + 8 <= Nn; j0 += 8)
+        score_tile(QB, 1, q, D, new_key + j0, Nn, mask + P + j0, sc + P + j0, L, scale);
     for (int i = 0; i < QB; i++)
         for (int64_t j = j0; j < Nn; j++) {
             float a = 0.0f;
@@ -306,7 +294,8 @@ __attribute__((target("avx2,fma"))) static void rows_avx2(
     const float *past_value, const float *new_value, int64_t D, int64_t P, int64_t Nn, float scale, float *out,
     float *scratch) {
     int64_t L = P + Nn;
-    int32_t *list = (int32_t *)(scratch + (Q < QB_MAX ? Q : QB_MAX) * L), *weighed = list + L; /* 2 (P + Nn) more */
+    /* scratch (MOBC_ATTENTION_SCRATCH): the block's scores, then two slot lists */
+    int32_t *list = (int32_t *)(scratch + (Q < QB_MAX ? Q : QB_MAX) * L), *weighed = list + L;
     for (int64_t i0 = 0; i0 < Q; i0 += QB_MAX) {
         const float *qb = q + i0 * D, *mb = mask + i0 * L;
         float *ob = out + i0 * D;
@@ -335,8 +324,6 @@ void mobc_cache_attention_rows(int64_t Q, const float *q, const float *mask, con
         row_portable(q + i * D, past_key, new_key, past_value, new_value, mask + i * (P + Nn), D, P, Nn, scale,
                      out + i * D, scratch);
 }
-
-int mobc_q4_vectorized(void);
 
 void mobc_cache_attention_row(const float *q, const float *past_key, const float *new_key,
                               const float *past_value, const float *new_value, const float *mask,

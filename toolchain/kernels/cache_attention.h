@@ -18,13 +18,16 @@
 /* a slot whose mask is at most this is never attended (MASK_MIN is -1e4) */
 #define MOBC_MASKED (-1.0e3f)
 
-/* Q query rows of one KV group: q[Q, D], mask[Q, P + Nn] (each row its own), out[Q, D]; scratch at
- * least (min(Q, 8) + 2) * (P + Nn) floats. Each row's result is the same as alone (see cache_attention.c) */
+/* floats of scratch a call of Q rows over L = P + Nn slots needs */
+#define MOBC_ATTENTION_SCRATCH(Q, L) (((Q) < 8 ? (Q) : 8) + 2) * (L)
+
+/* Q query rows of one KV group: q[Q, D], mask[Q, P + Nn] (each row its own), out[Q, D]; scratch of
+ * MOBC_ATTENTION_SCRATCH(Q, P + Nn) floats. Each row's result is the same as alone (see cache_attention.c) */
 void mobc_cache_attention_rows(int64_t Q, const float *q, const float *mask, const float *past_key,
                                const float *new_key, const float *past_value, const float *new_value, int64_t D,
                                int64_t P, int64_t Nn, float scale, float *out, float *scratch);
 
-/* one row; scratch: at least 3 * (P + Nn) floats */
+/* one row; scratch of MOBC_ATTENTION_SCRATCH(1, P + Nn) floats */
 void mobc_cache_attention_row(const float *q, const float *past_key, const float *new_key,
                               const float *past_value, const float *new_value, const float *mask,
                               int64_t D, int64_t P, int64_t Nn, float scale, float *out, float *scratch);

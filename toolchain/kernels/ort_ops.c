@@ -209,7 +209,7 @@ typedef struct {
  * verify call's 8 rows, 2.27x on 32, 1.17x on one), and a row's result is the same in any call */
 static void attention_task(void *data, size_t head) {  /* head = g * H + h */
     const AttentionCall *c = (const AttentionCall *)data;
-    int64_t g = (int64_t)head / c->H, L = c->P + c->Nn, need = ((c->N < 8 ? c->N : 8) + 2) * L;
+    int64_t g = (int64_t)head / c->H, need = MOBC_ATTENTION_SCRATCH(c->N, c->P + c->Nn);
     float stack[16384], *scratch = need <= 16384 ? stack : malloc(sizeof(float) * (size_t)need);  /* 64 KB: 8 rows of up to 1638 slots */
     if (scratch == NULL) return;  /* out of memory: the rows stay as written (zeros) */
     mobc_cache_attention_rows(c->N, c->q + (int64_t)head * c->N * c->D, c->mask, c->pk + g * c->D * c->P,
