@@ -17,6 +17,7 @@ from toolchain.cli.common import (
     fmt,
     load_models,
     log,
+    open_model,
     print_rows,
     write_json,
 )
@@ -217,11 +218,8 @@ def bench_diffusion(
     """Compare diffusion decoding policies: calls/token, CPU tok/s, phone latency, agreement; prefetch."""
     from toolchain.bench.diffusion import bench, prefetch_section
     from toolchain.bench.prompts import load_prompts
-    from toolchain.runtime.model import StepModel
-    from toolchain.runtime.sessions import share_thread_pool
 
-    share_thread_pool(threads)
-    model = StepModel(artifact, threads=threads)
+    model = open_model(artifact, threads)
     names = [c.strip() for c in configs.split(",") if c.strip()]
     res = bench(model, names, load_prompts(prompts), max_new_tokens, block, steps, threshold, device, dram,
                 log=log)
@@ -277,11 +275,8 @@ def bench_ctg_cmd(
     from toolchain.bench.lora import bench_ctg
     from toolchain.bench.prompts import load_prompts
     from toolchain.runtime.adapters import resolve_adapter
-    from toolchain.runtime.model import StepModel
-    from toolchain.runtime.sessions import share_thread_pool
 
-    share_thread_pool(threads)
-    model = StepModel(artifact, threads=threads)
+    model = open_model(artifact, threads)
     pool = [None if a == "base" else resolve_adapter(artifact, a) for a in adapter] or [None]
     styles = [pool[i % len(pool)] for i in range(k)]
     res = bench_ctg(model, styles, load_prompts(prompts), max_new_tokens, log=log)
@@ -313,12 +308,9 @@ def bench_ds2d_cmd(
     """DS2D vs greedy AR: acceptance length, tokens per call, decode speed, token-for-token equality."""
     from toolchain.bench.lora import bench_ds2d
     from toolchain.bench.prompts import load_prompts
-    from toolchain.runtime.model import StepModel
     from toolchain.runtime.policies.ds2d import load_forecast
-    from toolchain.runtime.sessions import share_thread_pool
 
-    share_thread_pool(threads)
-    model = StepModel(artifact, threads=threads)
+    model = open_model(artifact, threads)
     res = bench_ds2d(model, load_forecast(artifact, forecast), load_prompts(prompts), max_new_tokens, depth, log=log)
     table = Table(title=f"ds2d {res['artifact']} (m={res['m']}) on {res['prompts']} prompts, greedy")
     for col in ("policy", "decode tok/s", "accepted/round", "tokens/call", "speedup CPU", "phone ms/token", "== ar"):

@@ -44,13 +44,19 @@ def ep_options(items: list[str]) -> dict[str, str]:
     return out
 
 
-def load_models(artifact: Path, draft: Path | None, provider: str, threads: int | None, ep: list[str]):
-    """(target, draft or None) StepModels on one provider, every session on one thread pool."""
+def open_model(artifact: Path, threads: int | None, provider: str = "cpu", ep: list[str] | None = None):
+    """A command's StepModel, its sessions on the process's one thread pool (a draft's and a target's
+    sessions take turns: one pool, not one each; toolchain/runtime/sessions.py)."""
     from toolchain.runtime.model import StepModel
     from toolchain.runtime.sessions import share_thread_pool
 
-    share_thread_pool(threads)  # a draft's and a target's sessions take turns: one pool, not one each
-    target = StepModel(artifact, provider, threads, ep_options(ep))
+    share_thread_pool(threads)
+    return StepModel(artifact, provider, threads, ep_options(ep or []))
+
+
+def load_models(artifact: Path, draft: Path | None, provider: str, threads: int | None, ep: list[str]):
+    """(target, draft or None) StepModels on one provider, every session on one thread pool."""
+    target = open_model(artifact, threads, provider, ep)
     return target, attach_draft(target, draft, provider, threads, ep) if draft else None
 
 
