@@ -9,6 +9,8 @@ Domain `mobc.cpu`:
 - `MatMulQ4I16`: the same inputs and product with each 32-block of an activation row rounded to int16
   on its own scale (error at most max|x_b| / 65534 per element) and exact integer dot products (AVX2
   pmaddwd): faster, no longer float32's arithmetic.
+- `MatMulQ8I16`: a Q8_0 lm_head (GGUF's int8 codes and float16 scales, as stored) on activation
+  blocks rounded to int16 the same way: the certified head's first pass (passes/certified_lm_head.py).
 - `CacheAttention`: a narrow step graph's attention over the static KV cache, reading only the slots
   its mask admits (passes/cache_attention.py).
 
@@ -37,12 +39,12 @@ DOMAIN = "mobc.cpu"
 # float32 scales and offsets; 1 (column-major codes, float32 scales, block-major minimums) is refused
 OPSET = 2
 STALE_LAYOUT = "an artifact compiled before this layout needs recompiling"  # ort_ops.c says so
-OPS = ("MatMulQ4", "MatMulQ4I16", "CacheAttention")
+OPS = ("MatMulQ4", "MatMulQ4I16", "MatMulQ8I16", "CacheAttention")
 BLOCK = 32
 GROUP = 4  # columns per group of the packed layout (MOBC_Q4_GROUP)
 MAX_K = 32768  # the longest row the op takes (MOBC_Q4_MAX_K in q4_matmul.h)
-SOURCES = ("q4_matmul.c", "cache_attention.c", "ort_ops.c")
-HEADERS = ("q4_matmul.h", "cache_attention.h", "ort_abi.h")
+SOURCES = ("q4_matmul.c", "q8_matmul.c", "cache_attention.c", "ort_ops.c")
+HEADERS = ("q4_matmul.h", "q8_matmul.h", "cache_attention.h", "ort_abi.h")
 LIBS = ("-lm",)  # after the sources, so the linker keeps them
 _HERE = Path(__file__).parent
 _lock = threading.Lock()

@@ -4,6 +4,9 @@
  *   -> y float[..., N], T float or float16: x @ W with W[32b + i, 4g + c] = scales[g, b, c] * (q - 8)
  *   + offsets[g, b, c] (q4_matmul.h).
  * MatMulQ4I16: the same inputs and product, each row's 32-blocks of x rounded to int16 first.
+ * MatMulQ8I16(x float[..., K], codes uint8[N, K/32, 32], scales float16[N, K/32]) -> y float[..., N]:
+ *   x @ W^T with W[n, 32b + i] = scales[n, b] * (codes[n, b, i] - 128) (a Q8_0 lm_head), x's
+ *   32-blocks rounded to int16 (q8_matmul.h).
  * CacheAttention(q float[G, H, N, D], past_key[G, 1, D, P], new_key[G, 1, D, Nn],
  *                past_value[G, 1, P, D], new_value[G, 1, Nn, D], mask[1, 1, N, P + Nn], scale[1])
  *   -> out float[G, H, N, D]: softmax(q k * scale + mask) v over the slots the mask admits
@@ -16,6 +19,7 @@
 #include "cache_attention.h"
 #include "ort_abi.h"
 #include "q4_matmul.h"
+#include "q8_matmul.h"
 
 typedef OrtStatus *(*CreateStatusFn)(int code, const char *msg);
 typedef OrtStatus *(*CreateCustomOpDomainFn)(const char *domain, OrtCustomOpDomain **out);
@@ -195,6 +199,70 @@ static void q4i16_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)q4i16_
 static const char *q4i16_name(const OrtCustomOp *op) { (void)op; return "MatMulQ4I16"; }
 static const OrtCustomOp q4i16_op = CPU_OP(q4i16_name, q4_input_type, q4_input_count, q4i16_compute_v1, q4i16_compute);
 
+/* ---- MatMulQ8I16 ---- */
+
+#define ROWS_PER_TASK 1024  /* vocabulary rows per task: SmolLM2's 49152 make 48 */
+
+typedef struct {
+    const void *prepared;
+    int64_t rows;
+    MobcQ8Weights w;
+    float *y;
+} Q8Call;
+
+static void q8_task(void *data, size_t task) {
+    const Q8Call *c = (const Q8Call *)data;
+    int64_t n0 = (int64_t)task * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < c->w.N ? n0 + ROWS_PER_TASK : c->w.N;
+    mobc_q8_matmul(c->prepared, c->rows, &c->w, c->y, n0, n1);
+}
+
+static OrtStatus *q8i16_compute(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    Tensor x, q, d;
+    CHECK(input(ctx, 0, &x));
+    CHECK(input(ctx, 1, &q));
+    CHECK(input(ctx, 2, &d));
+    if (x.elem != ORT_ELEMENT_FLOAT || q.elem != ORT_ELEMENT_UINT8 || d.elem != ORT_ELEMENT_FLOAT16)
+        return fail("MatMulQ8I16: inputs must be float x, uint8 codes and float16 scales (element types %lld, %lld)",
+                    q.elem, d.elem);
+    if (x.rank < 1 || q.rank != 3 || q.dims[2] != MOBC_Q8_BLOCK || d.rank != 2 || d.dims[0] != q.dims[0] ||
+        d.dims[1] != q.dims[1])
+        return fail("MatMulQ8I16: codes must be [N, K/32, 32] and scales [N, K/32] (ranks %lld, %lld)",
+                    (int64_t)q.rank, (int64_t)d.rank);
+    int64_t K = x.dims[x.rank - 1], N = q.dims[0];
+    if (K != q.dims[1] * MOBC_Q8_BLOCK) return fail("MatMulQ8I16: x has K=%lld but the codes hold K=%lld", K, q.dims[1] * MOBC_Q8_BLOCK);
+    if (K > MOBC_Q8_MAX_K) return fail("MatMulQ8I16: K=%lld exceeds the kernel's %lld", K, MOBC_Q8_MAX_K);
+    int64_t rows = 1, dims[MAX_DIMS];
+    for (size_t i = 0; i + 1 < x.rank; i++) {
+        rows *= x.dims[i];
+        dims[i] = x.dims[i];
+    }
+    dims[x.rank - 1] = N;
+    OrtValue *out = NULL;
+    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, x.rank, &out));
+    void *y = NULL;
+    CHECK(API(GetTensorMutableData, GetTensorMutableDataFn)(out, &y));
+    if (rows == 0 || N == 0) return NULL;
+    size_t bytes = (size_t)rows * mobc_q8_row_bytes(K);
+    void *prepared = aligned_alloc(64, bytes);  /* a multiple of 64 (mobc_q8_row_bytes) */
+    if (prepared == NULL) return fail("MatMulQ8I16: out of memory for %lld rows of K=%lld", rows, K);
+    mobc_q8_prepare((const float *)x.data, rows, K, prepared);  /* once per call, before the tasks share it */
+    Q8Call call = {prepared, rows, {q.data, d.data, K, N}, y};
+    OrtStatus *st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, q8_task,
+                                                                  (size_t)((N + ROWS_PER_TASK - 1) / ROWS_PER_TASK), 0, &call);
+    free(prepared);
+    return st;
+}
+
+static void q8i16_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)q8i16_compute(kernel, ctx); }
+static const char *q8i16_name(const OrtCustomOp *op) { (void)op; return "MatMulQ8I16"; }
+static int q8_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? ORT_ELEMENT_FLOAT : i == 1 ? ORT_ELEMENT_UINT8 : ORT_ELEMENT_FLOAT16;
+}
+static size_t q8_input_count(const OrtCustomOp *op) { (void)op; return 3; }
+static const OrtCustomOp q8i16_op = CPU_OP(q8i16_name, q8_input_type, q8_input_count, q8i16_compute_v1, q8i16_compute);
+
 /* ---- CacheAttention ---- */
 
 typedef struct {
@@ -271,6 +339,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
         CHECK(API(CreateCustomOpDomain, CreateCustomOpDomainFn)("mobc.cpu", &domain));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &q4_op));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &q4i16_op));
+        CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &q8i16_op));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &attention_op));
     }
     return API(AddCustomOpDomain, AddCustomOpDomainFn)(options, domain);
