@@ -113,7 +113,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inl
 }
 
 /* each tile height its own unrolled loop */
-__attribute__((target("avx2,fma,f16c"))) static void rows_avx2(int R, const Row *rows, const MobcQ8Weights *w, float *y,
+__attribute__((target("avx2,fma,f16c"))) static void q8_rows_avx2(int R, const Row *rows, const MobcQ8Weights *w, float *y,
                                                               int64_t n0, int64_t n1) {
     switch (R) {
     case 1: tile_avx2(1, rows, w, y, n0, n1); break;
@@ -141,7 +141,7 @@ void mobc_q8_matmul(const void *prepared, int64_t M, const MobcQ8Weights *w, flo
             int R = (int)(M - r0 < Q8_TILE ? M - r0 : Q8_TILE);
             Row rows[Q8_TILE];
             for (int r = 0; r < R; r++) rows[r] = row_at(prepared, w->K, r0 + r);
-            rows_avx2(R, rows, w, y + r0 * w->N, n0, n1);
+            q8_rows_avx2(R, rows, w, y + r0 * w->N, n0, n1);
         }
         return;
     }
