@@ -76,6 +76,20 @@ static OrtStatus *input(OrtKernelContext *ctx, size_t index, Tensor *t) {
     return API(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue *)value, &t->data);
 }
 
+/* a matmul's output: x's shape with its last axis N; *rows = the product of x's other axes */
+static OrtStatus *matmul_output(OrtKernelContext *ctx, const Tensor *x, int64_t N, int64_t *rows, void **y) {
+    int64_t dims[MAX_DIMS];
+    *rows = 1;
+    for (size_t i = 0; i + 1 < x->rank; i++) {
+        *rows *= x->dims[i];
+        dims[i] = x->dims[i];
+    }
+    dims[x->rank - 1] = N;
+    OrtValue *out = NULL;
+    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, x->rank, &out));
+    return API(GetTensorMutableData, GetTensorMutableDataFn)(out, y);
+}
+
 /* ---- MatMulQ4 ---- */
 
 #define GROUPS_PER_TASK 8  /* a task's columns: 8 groups of 4 x K/32 blocks; SmolLM2's 576 columns make 18 tasks, even on two threads */
@@ -123,16 +137,9 @@ static OrtStatus *q4_run(OrtKernelContext *ctx, int int16_activations) {
     for (int i = 0; i < 2; i++)
         if (per_block[i]->dims[0] != groups || per_block[i]->dims[1] != nb || per_block[i]->dims[2] != MOBC_Q4_GROUP)
             return fail("MatMulQ4: scales and offsets must be [N/4, K/32, 4] = [%lld, %lld, 4]", groups, nb);
-    int64_t rows = 1, dims[MAX_DIMS];
-    for (size_t i = 0; i + 1 < x.rank; i++) {
-        rows *= x.dims[i];
-        dims[i] = x.dims[i];
-    }
-    dims[x.rank - 1] = N;
-    OrtValue *out = NULL;
-    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, x.rank, &out));
+    int64_t rows = 0;
     void *y = NULL;
-    CHECK(API(GetTensorMutableData, GetTensorMutableDataFn)(out, &y));
+    CHECK(matmul_output(ctx, &x, N, &rows, &y));
     if (rows == 0 || N == 0) return NULL;
     /* each row's block sums (and, for MatMulQ4I16, its int16 blocks) computed once per call, before
      * the column tasks share them */
@@ -232,16 +239,9 @@ static OrtStatus *q8i16_compute(void *kernel, OrtKernelContext *ctx) {
     int64_t K = x.dims[x.rank - 1], N = q.dims[0];
     if (K != q.dims[1] * MOBC_Q8_BLOCK) return fail("MatMulQ8I16: x has K=%lld but the codes hold K=%lld", K, q.dims[1] * MOBC_Q8_BLOCK);
     if (K > MOBC_Q8_MAX_K) return fail("MatMulQ8I16: K=%lld exceeds the kernel's %lld", K, MOBC_Q8_MAX_K);
-    int64_t rows = 1, dims[MAX_DIMS];
-    for (size_t i = 0; i + 1 < x.rank; i++) {
-        rows *= x.dims[i];
-        dims[i] = x.dims[i];
-    }
-    dims[x.rank - 1] = N;
-    OrtValue *out = NULL;
-    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, x.rank, &out));
+    int64_t rows = 0;
     void *y = NULL;
-    CHECK(API(GetTensorMutableData, GetTensorMutableDataFn)(out, &y));
+    CHECK(matmul_output(ctx, &x, N, &rows, &y));
     if (rows == 0 || N == 0) return NULL;
     size_t bytes = (size_t)rows * mobc_q8_row_bytes(K);
     void *prepared = aligned_alloc(64, bytes);  /* a multiple of 64 (mobc_q8_row_bytes) */

@@ -10,6 +10,8 @@
 
 #include <math.h>
 
+#include "q4_matmul.h" /* mobc_half_to_float, mobc_q4_vectorized */
+
 #define ALIGN64(n) (((n) + 63) / 64 * 64)
 
 /* a prepared row: the int16 values p, then the block scales s_b */
@@ -25,8 +27,6 @@ static Row row_at(const void *prepared, int64_t K, int64_t r) {
     Row row = {(const int16_t *)base, (const float *)(base + 2 * K)};
     return row;
 }
-
-float mobc_half_to_float(uint16_t h); /* q4_matmul.c */
 
 void mobc_q8_prepare(const float *x, int64_t M, int64_t K, void *prepared) {
     int64_t nb = K / MOBC_Q8_BLOCK;
@@ -123,20 +123,11 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_rows_avx2(int R, const R
     }
 }
 
-static int has_avx2(void) {
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return cached;
-}
-
 #endif
 
 void mobc_q8_matmul(const void *prepared, int64_t M, const MobcQ8Weights *w, float *y, int64_t n0, int64_t n1) {
 #if defined(__x86_64__) || defined(_M_X64)
-    if (has_avx2()) {
+    if (mobc_q4_vectorized()) {
         for (int64_t r0 = 0; r0 < M; r0 += Q8_TILE) {
             int R = (int)(M - r0 < Q8_TILE ? M - r0 : Q8_TILE);
             Row rows[Q8_TILE];
