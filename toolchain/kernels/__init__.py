@@ -83,8 +83,9 @@ def _build(target: Path) -> None:
     cc = _compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (cc, gcc or clang) to build mobc's CPU kernels; install "
-                               "one (Debian: apt install gcc) or set CC, or compile the recipe without "
-                               "`matmul_nbits: {kernel_rows: ...}`")
+                               "one (Debian: apt install gcc) or set CC, or compile the recipe without the "
+                               "passes that emit them (`matmul_nbits: {kernel_rows: ...}`, `cache_attention`, "
+                               "`certified_lm_head: {activations: int16}`)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name

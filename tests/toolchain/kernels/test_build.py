@@ -31,6 +31,21 @@ def test_no_compiler_is_a_message_naming_the_fix(fresh_cache, monkeypatch):
         build({"matmul_nbits": {"kernel_rows": 1}}).call(entry.model)
 
 
+def test_no_compiler_names_the_certified_heads_option(fresh_cache, monkeypatch):
+    """The int16 first pass of the certified head needs the kernels too: the error says which option."""
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)  # before the import below asks for the library
+    from passes import build
+    from tests.passes.test_certified_lm_head import _head_on_q8_0
+    from tests.passes.tiny import graphset_for
+
+    gs, _ = graphset_for("llama", (1,))
+    _head_on_q8_0(gs)
+    entry = next(iter(gs.entries.values()))
+    with pytest.raises(kernels.KernelBuildError, match=r"certified_lm_head: \{activations: int16\} needs mobc's CPU kernels"):
+        build({"certified_lm_head": {"activations": "int16"}}).call(entry.model)
+    assert build({"certified_lm_head": {"activations": "int8"}}).call(entry.model).modified  # int8 needs none
+
+
 @pytest.mark.skipif(kernels._compiler() is None, reason="no C compiler")
 def test_built_once_per_source_version(fresh_cache):
     first = kernels.library()
