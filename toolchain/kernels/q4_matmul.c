@@ -55,25 +55,28 @@ static inline int i16_element(int lane) {
     return 8 * (i % 4) + i / 4 + (lane >= 16 ? 4 : 0);
 }
 
-void mobc_q4_quantize_i16_portable(const float *x, int64_t M, int64_t K, int16_t *xq, float *xscale, float *xsum) {
-    int64_t nb = K / MOBC_Q4_BLOCK;
-    for (int64_t rb = 0; rb < M * nb; rb++) {
-        const float *p = x + rb * MOBC_Q4_BLOCK;
-        float big = 0.0f, sum = 0.0f;
-        for (int i = 0; i < MOBC_Q4_BLOCK; i++) {
-            big = fabsf(p[i]) > big ? fabsf(p[i]) : big;
-            sum += p[i];
-        }
-        /* a NaN or infinite block keeps its poison: scale NaN makes every output it touches NaN */
-        float inv = big > 0.0f && isfinite(big) ? 32767.0f / big : 0.0f;
-        xscale[rb] = isfinite(big) ? big / 32767.0f : NAN;
-        xsum[rb] = sum;
-        for (int lane = 0; lane < MOBC_Q4_BLOCK; lane++) {
-            float v = p[i16_element(lane)] * inv;
-            v = v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v);  /* rounding of inv */
-            xq[rb * MOBC_Q4_BLOCK + lane] = (int16_t)lrintf(v);
-        }
+void mobc_round_block_i16(const float *x, int natural, int16_t *q, float *scale, float *sum) {
+    float big = 0.0f, total = 0.0f;
+    for (int i = 0; i < MOBC_Q4_BLOCK; i++) {
+        big = fabsf(x[i]) > big ? fabsf(x[i]) : big;
+        total += x[i];
     }
+    /* a NaN or infinite block keeps its poison: scale NaN makes every output it touches NaN (a NaN
+     * escapes the max, not the sum) */
+    int finite = isfinite(total) && isfinite(big);
+    float inv = finite && big > 0.0f ? 32767.0f / big : 0.0f;
+    *scale = finite ? big / 32767.0f : NAN;
+    *sum = total;
+    for (int lane = 0; lane < MOBC_Q4_BLOCK; lane++) {
+        float v = finite ? x[natural ? lane : i16_element(lane)] * inv : 0.0f;
+        v = v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v);  /* rounding of inv */
+        q[lane] = (int16_t)lrintf(v);
+    }
+}
+
+void mobc_q4_quantize_i16_portable(const float *x, int64_t M, int64_t K, int16_t *xq, float *xscale, float *xsum) {
+    for (int64_t rb = 0; rb < M * (K / MOBC_Q4_BLOCK); rb++)
+        mobc_round_block_i16(x + rb * MOBC_Q4_BLOCK, 0, xq + rb * MOBC_Q4_BLOCK, xscale + rb, xsum + rb);
 }
 
 /* both products in plain C: float activations x, or (xq != NULL) int16 blocks xq with scales xscale */

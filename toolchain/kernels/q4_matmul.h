@@ -47,6 +47,10 @@ void mobc_q4_matmul_portable(const float *x, const float *xsum, int64_t M, const
  * kernel's lane order (mobc_q4_quantize_i16), xscale and xsum M * K/32 floats (s_b and the exact
  * float sum(x_b) for the offsets). */
 void mobc_q4_quantize_i16(const float *x, int64_t M, int64_t K, int16_t *xq, float *xscale, float *xsum);
+/* one block of 32 floats rounded so (plain C): q in the kernel's lane order, or in x's own order when
+ * `natural` (MatMulQ8I16, q8_matmul.h); *scale = s_b (NaN for a block holding a NaN or an infinity,
+ * whose q are then 0), *sum = the block's float sum */
+void mobc_round_block_i16(const float *x, int natural, int16_t *q, float *scale, float *sum);
 void mobc_q4_quantize_i16_portable(const float *x, int64_t M, int64_t K, int16_t *xq, float *xscale, float *xsum);
 void mobc_q4i16_matmul(const int16_t *xq, const float *xscale, const float *xsum, int64_t M,
                        const MobcQ4Weights *w, float *y, int64_t g0, int64_t g1);

@@ -1,6 +1,6 @@
 /* The Q8_0 matmul on int16 activation blocks (see q8_matmul.h): a tied lm_head's logits.
  *
- * Why not onnxruntime's 8-bit MatMulNBits: it rounds activations to int8 (a 129x looser bound on
+ * Why not onnxruntime's 8-bit MatMulNBits: it rounds activations to int8 (a 258x looser bound on
  * each logit), keeps its scales as float32 (3.5 MB more per SmolLM2 token than float16) and copies
  * the weights into a prepacked buffer of its own. Here the codes and float16 scales are read where
  * the session keeps them, one vocabulary row after another: on one row it streams them at about the
@@ -8,9 +8,7 @@
  * split into bytes) measured no faster on one row and slower on three (Zen 4), so there is none. */
 #include "q8_matmul.h"
 
-#include <math.h>
-
-#include "q4_matmul.h" /* mobc_half_to_float, mobc_q4_vectorized */
+#include "q4_matmul.h" /* mobc_half_to_float, mobc_round_block_i16, mobc_q4_vectorized */
 
 #define ALIGN64(n) (((n) + 63) / 64 * 64)
 
@@ -29,26 +27,12 @@ static Row row_at(const void *prepared, int64_t K, int64_t r) {
 }
 
 void mobc_q8_prepare(const float *x, int64_t M, int64_t K, void *prepared) {
-    int64_t nb = K / MOBC_Q8_BLOCK;
     for (int64_t r = 0; r < M; r++) {
         Row row = row_at(prepared, K, r);
-        int16_t *p = (int16_t *)row.p;
-        float *scale = (float *)row.scale;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * K + b * MOBC_Q8_BLOCK;
-            float big = 0.0f, sum = 0.0f;
-            for (int i = 0; i < MOBC_Q8_BLOCK; i++) {
-                big = fabsf(v[i]) > big ? fabsf(v[i]) : big;
-                sum += v[i];
-            }
-            int finite = isfinite(sum) && isfinite(big);  /* a NaN escapes the max, not the sum */
-            float inv = finite && big > 0.0f ? 32767.0f / big : 0.0f;
-            scale[b] = finite ? big / 32767.0f : NAN;
-            for (int i = 0; i < MOBC_Q8_BLOCK; i++) {
-                float t = finite ? v[i] * inv : 0.0f;
-                t = t > 32767.0f ? 32767.0f : (t < -32767.0f ? -32767.0f : t); /* rounding of inv */
-                p[b * MOBC_Q8_BLOCK + i] = (int16_t)lrintf(t);
-            }
+        for (int64_t b = 0; b < K / MOBC_Q8_BLOCK; b++) {
+            float sum; /* the offsets' share of MatMulQ4; a Q8_0 grid has none */
+            mobc_round_block_i16(x + r * K + b * MOBC_Q8_BLOCK, 1, (int16_t *)row.p + b * MOBC_Q8_BLOCK,
+                                 (float *)row.scale + b, &sum);
         }
     }
 }

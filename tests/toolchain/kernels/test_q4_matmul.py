@@ -94,6 +94,17 @@ def test_int16_activations_stay_within_their_rounding_bound(k, n, rows, threads,
     assert err.max() > 1e-6 * np.abs(ref).max()  # it does round: not the float kernel under another name
 
 
+def test_int16_a_non_finite_block_poisons_only_its_row():
+    """A NaN escapes a block's max|x| but not its sum: the block's scale must be NaN (as for an
+    infinity), so every output of its row is NaN and the other rows are untouched."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[1, 5] = np.nan
+    x[2, 40] = np.inf
+    y, _, _ = _case(64, 8, [3], 1, False, op="MatMulQ4I16", x=x)
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all() and np.isnan(y[2]).all()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int16_rows_do_not_depend_on_their_call(threads):
     """A verify call's row equals the one-row decode step's bit for bit: eleven rows in one call (a tile
