@@ -11,12 +11,19 @@
  *                past_value[G, 1, P, D], new_value[G, 1, Nn, D], mask[1, 1, N, P + Nn], scale[1])
  *   -> out float[G, H, N, D]: softmax(q k * scale + mask) v over the slots the mask admits
  *   (cache_attention.h).
+ * QKVCacheAttention(qkv float[..., N, (Hq + 2G) D], cos[N, D/2], sin[N, D/2], past_key[G, 1, D, P],
+ *                   past_value[G, 1, P, D], mask[1, 1, N, P + N], scale[1])
+ *   -> out float[..., N, Hq D], new_key[G, 1, D, N], new_value[G, 1, N, D]: a fused projection's rows
+ *   split into heads, queries and keys rotated (RoPE, halves layout), and CacheAttention over the
+ *   past and the call's own keys (layer_ops.h).
+ * SiluMul(x float[..., 2F]) -> y float[..., F]: silu(x[..., :F]) * x[..., F:] (layer_ops.h).
  * Work is shared out over onnxruntime's own intra-op thread pool. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cache_attention.h"
+#include "layer_ops.h"
 #include "ort_abi.h"
 #include "q4_matmul.h"
 #include "q8_matmul.h"
@@ -88,6 +95,19 @@ static OrtStatus *matmul_output(OrtKernelContext *ctx, const Tensor *x, int64_t 
     OrtValue *out = NULL;
     CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, x->rank, &out));
     return API(GetTensorMutableData, GetTensorMutableDataFn)(out, y);
+}
+
+/* output `index` of the given shape */
+static OrtStatus *output(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t rank, float **data) {
+    OrtValue *out = NULL;
+    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, index, dims, rank, &out));
+    return API(GetTensorMutableData, GetTensorMutableDataFn)(out, (void **)data);
+}
+
+static int64_t elements(const Tensor *t) {
+    int64_t n = 1;
+    for (size_t i = 0; i < t->rank; i++) n *= t->dims[i];
+    return n;
 }
 
 /* ---- MatMulQ4 ---- */
@@ -185,11 +205,13 @@ static int arity_one(const OrtCustomOp *op) { (void)op; return 1; }
 
 /* an op table; onnxruntime calls COMPUTE (KernelComputeV2, errors as a status) from version 16 on,
  * the void KernelCompute only before */
-#define CPU_OP(NAME_FN, INPUT_TYPE_FN, INPUT_COUNT_FN, COMPUTE_V1, COMPUTE)                          \
+#define CPU_OP_OUTPUTS(NAME_FN, INPUT_TYPE_FN, INPUT_COUNT_FN, OUTPUT_COUNT_FN, COMPUTE_V1, COMPUTE)  \
     {MOBC_CUSTOM_OP_VERSION, stateless_create, NAME_FN, cpu_provider, INPUT_TYPE_FN, INPUT_COUNT_FN, \
-     float_output, one, COMPUTE_V1, stateless_destroy, required, required, default_memory,          \
+     float_output, OUTPUT_COUNT_FN, COMPUTE_V1, stateless_destroy, required, required, default_memory, \
      arity_one, arity_one, arity_one, arity_one, stateless_create_v2, COMPUTE,                      \
      NULL, NULL, NULL, NULL, NULL, NULL, NULL}
+#define CPU_OP(NAME_FN, INPUT_TYPE_FN, INPUT_COUNT_FN, COMPUTE_V1, COMPUTE) \
+    CPU_OP_OUTPUTS(NAME_FN, INPUT_TYPE_FN, INPUT_COUNT_FN, one, COMPUTE_V1, COMPUTE)
 
 static void q4_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)q4_compute(kernel, ctx); }
 static const char *q4_name(const OrtCustomOp *op) { (void)op; return "MatMulQ4"; }
@@ -272,18 +294,26 @@ typedef struct {
     float *out;
 } AttentionCall;
 
+/* the rows of one (group, head) pair as laid out in `c` (its own q, out and group's cache) */
+static void attention_rows(const AttentionCall *c) {
+    int64_t need = MOBC_ATTENTION_SCRATCH(c->N, c->P + c->Nn);
+    float stack[16384], *scratch = need <= 16384 ? stack : malloc(sizeof(float) * (size_t)need);  /* 64 KB: 8 rows of up to 1638 slots */
+    if (scratch == NULL) return;  /* out of memory: the rows stay as written (zeros) */
+    mobc_cache_attention_rows(c->N, c->q, c->mask, c->pk, c->nk, c->pv, c->nv, c->D, c->P, c->Nn, c->scale, c->out,
+                              scratch);
+    if (scratch != stack) free(scratch);
+}
+
 /* one task per (group, head): its N rows together, so each key chunk and value row is read once for
  * all of them (SmolLM2's shapes, 200 admitted slots, in C: 1.61x the row-at-a-time kernel on a
  * verify call's 8 rows, 2.27x on 32, 1.17x on one), and a row's result is the same in any call */
 static void attention_task(void *data, size_t head) {  /* head = g * H + h */
-    const AttentionCall *c = (const AttentionCall *)data;
-    int64_t g = (int64_t)head / c->H, need = MOBC_ATTENTION_SCRATCH(c->N, c->P + c->Nn);
-    float stack[16384], *scratch = need <= 16384 ? stack : malloc(sizeof(float) * (size_t)need);  /* 64 KB: 8 rows of up to 1638 slots */
-    if (scratch == NULL) return;  /* out of memory: the rows stay as written (zeros) */
-    mobc_cache_attention_rows(c->N, c->q + (int64_t)head * c->N * c->D, c->mask, c->pk + g * c->D * c->P,
-                              c->nk + g * c->D * c->Nn, c->pv + g * c->P * c->D, c->nv + g * c->Nn * c->D,
-                              c->D, c->P, c->Nn, c->scale, c->out + (int64_t)head * c->N * c->D, scratch);
-    if (scratch != stack) free(scratch);
+    AttentionCall a = *(const AttentionCall *)data;
+    int64_t g = (int64_t)head / a.H;
+    a.q += (int64_t)head * a.N * a.D;
+    a.out += (int64_t)head * a.N * a.D;
+    a.pk += g * a.D * a.P, a.nk += g * a.D * a.Nn, a.pv += g * a.P * a.D, a.nv += g * a.Nn * a.D;
+    attention_rows(&a);
 }
 
 static OrtStatus *attention_compute(void *kernel, OrtKernelContext *ctx) {
@@ -303,8 +333,7 @@ static OrtStatus *attention_compute(void *kernel, OrtKernelContext *ctx) {
         return fail("CacheAttention: cache shapes disagree with q (groups %lld, head dim %lld)", G, D);
     if (mask->dims[0] != 1 || mask->dims[1] != 1 || mask->dims[2] != N || mask->dims[3] != P + Nn)
         return fail("CacheAttention: mask must be [1, 1, %lld, %lld]", N, P + Nn);
-    int64_t scale_n = 1;
-    for (size_t i = 0; i < scale->rank; i++) scale_n *= scale->dims[i];
+    int64_t scale_n = elements(scale);
     if (scale_n != 1) return fail("CacheAttention: scale must hold one value, not %lld%.0lld", scale_n, 0);
     OrtValue *out = NULL;
     CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, q->dims, 4, &out));
@@ -325,6 +354,115 @@ static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 7;
 static const OrtCustomOp attention_op =
     CPU_OP(attention_name, float_input, attention_input_count, attention_compute_v1, attention_compute);
 
+/* ---- QKVCacheAttention ---- */
+
+typedef struct {
+    AttentionCall attn;  /* q: the rotated queries [Hq, N, D], out: [Hq, N, D] */
+    int64_t per_group;   /* query heads per KV group */
+} QKVCall;
+
+static void qkv_attention_task(void *data, size_t head) {
+    const QKVCall *c = (const QKVCall *)data;
+    AttentionCall a = c->attn;  /* one query head: its group's cache */
+    int64_t g = (int64_t)head / c->per_group;
+    a.q += (int64_t)head * a.N * a.D;
+    a.out += (int64_t)head * a.N * a.D;
+    a.pk += g * a.D * a.P, a.nk += g * a.D * a.Nn, a.pv += g * a.P * a.D, a.nv += g * a.Nn * a.D;
+    attention_rows(&a);
+}
+
+static OrtStatus *qkv_attention_compute(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    Tensor t[7];
+    for (size_t i = 0; i < 7; i++) {
+        CHECK(input(ctx, i, &t[i]));
+        if (t[i].elem != ORT_ELEMENT_FLOAT) return fail("QKVCacheAttention: input %lld is not float%.0lld", (int64_t)i, 0);
+    }
+    Tensor *qkv = &t[0], *cs = &t[1], *sn = &t[2], *pk = &t[3], *pv = &t[4], *mask = &t[5], *scale = &t[6];
+    if (qkv->rank < 2 || pk->rank != 4 || pv->rank != 4 || mask->rank != 4)
+        return fail("QKVCacheAttention: qkv must be [..., N, C] and the caches and mask rank 4 (ranks %lld, %lld)",
+                    (int64_t)qkv->rank, (int64_t)pk->rank);
+    int64_t G = pk->dims[0], D = pk->dims[2], P = pk->dims[3], C = qkv->dims[qkv->rank - 1];
+    int64_t N = elements(qkv) / (C ? C : 1), Hq = D ? C / D - 2 * G : 0;
+    if (D < 2 || D % 2 || D > MOBC_MAX_HEAD_DIM || C % D || Hq < G || G < 1 || Hq % G)
+        return fail("QKVCacheAttention: qkv's last axis %lld is not (Hq + 2G) x head dim %lld with Hq a multiple of "
+                    "G (even head dims up to 1024)", C, D);
+    if (pk->dims[1] != 1 || pv->dims[0] != G || pv->dims[1] != 1 || pv->dims[2] != P || pv->dims[3] != D)
+        return fail("QKVCacheAttention: past keys [G, 1, D, P] and values [G, 1, P, D] disagree (P %lld, D %lld)", P, D);
+    if (mask->dims[0] != 1 || mask->dims[1] != 1 || mask->dims[2] != N || mask->dims[3] != P + N)
+        return fail("QKVCacheAttention: mask must be [1, 1, %lld, %lld]", N, P + N);
+    if (elements(cs) != N * D / 2 || elements(sn) != N * D / 2)
+        return fail("QKVCacheAttention: cos and sin must hold N x D/2 = %lld values (cos holds %lld)", N * D / 2, elements(cs));
+    if (elements(scale) != 1) return fail("QKVCacheAttention: scale must hold one value, not %lld%.0lld", elements(scale), 0);
+    int64_t out_dims[MAX_DIMS], key_dims[4] = {G, 1, D, N}, value_dims[4] = {G, 1, N, D};
+    memcpy(out_dims, qkv->dims, sizeof(int64_t) * qkv->rank);
+    out_dims[qkv->rank - 1] = Hq * D;
+    float *out = NULL, *nk = NULL, *nv = NULL;
+    CHECK(output(ctx, 0, out_dims, qkv->rank, &out));
+    CHECK(output(ctx, 1, key_dims, 4, &nk));
+    CHECK(output(ctx, 2, value_dims, 4, &nv));
+    if (N == 0) return NULL;
+    /* the rotated queries, then (more than one row) the heads' results before they are interleaved */
+    size_t head_floats = (size_t)(Hq * N * D);
+    float *scratch = malloc(sizeof(float) * head_floats * (N > 1 ? 2 : 1));
+    if (scratch == NULL) return fail("QKVCacheAttention: out of memory for %lld rows of %lld heads", N, Hq);
+    float *q = scratch, *heads = N > 1 ? scratch + head_floats : out;  /* one row: [Hq, 1, D] is out's layout */
+    mobc_qkv_prologue((const float *)qkv->data, N, Hq, G, D, (const float *)cs->data, (const float *)sn->data, q, nk, nv);
+    memset(heads, 0, sizeof(float) * head_floats);
+    QKVCall call = {{q, pk->data, nk, pv->data, nv, mask->data, 1, N, D, P, N, *(const float *)scale->data, heads}, Hq / G};
+    OrtStatus *st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, qkv_attention_task, (size_t)Hq, 0, &call);
+    if (st == NULL && N > 1)  /* [Hq, N, D] -> [N, Hq, D] */
+        for (int64_t h = 0; h < Hq; h++)
+            for (int64_t n = 0; n < N; n++)
+                memcpy(out + (n * Hq + h) * D, heads + (h * N + n) * D, sizeof(float) * (size_t)D);
+    free(scratch);
+    return st;
+}
+
+static void qkv_attention_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)qkv_attention_compute(kernel, ctx); }
+static const char *qkv_attention_name(const OrtCustomOp *op) { (void)op; return "QKVCacheAttention"; }
+static size_t three(const OrtCustomOp *op) { (void)op; return 3; }
+
+static const OrtCustomOp qkv_attention_op = CPU_OP_OUTPUTS(qkv_attention_name, float_input, attention_input_count,
+                                                           three, qkv_attention_compute_v1, qkv_attention_compute);
+
+/* ---- SiluMul ---- */
+
+typedef struct {
+    const float *x;
+    int64_t F;
+    float *y;
+} SiluCall;
+
+static void silu_task(void *data, size_t row) {
+    const SiluCall *c = (const SiluCall *)data;
+    mobc_silu_mul(c->x + (int64_t)row * 2 * c->F, 1, c->F, c->y + (int64_t)row * c->F);
+}
+
+static OrtStatus *silu_compute(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    Tensor x;
+    CHECK(input(ctx, 0, &x));
+    if (x.elem != ORT_ELEMENT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] % 2)
+        return fail("SiluMul: x must be float with an even last axis (rank %lld, last axis %lld)", (int64_t)x.rank,
+                    x.rank ? x.dims[x.rank - 1] : 0);
+    int64_t F = x.dims[x.rank - 1] / 2, rows = 0;
+    float *y = NULL;
+    CHECK(matmul_output(ctx, &x, F, &rows, (void **)&y));
+    if (rows == 0 || F == 0) return NULL;
+    if (rows == 1) {  /* a decode step's one row: no task to hand out */
+        mobc_silu_mul((const float *)x.data, 1, F, y);
+        return NULL;
+    }
+    SiluCall call = {x.data, F, y};
+    return API(KernelContext_ParallelFor, ParallelForFn)(ctx, silu_task, (size_t)rows, 0, &call);
+}
+
+static void silu_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)silu_compute(kernel, ctx); }
+static const char *silu_name(const OrtCustomOp *op) { (void)op; return "SiluMul"; }
+static size_t silu_input_count(const OrtCustomOp *op) { (void)op; return 1; }
+static const OrtCustomOp silu_op = CPU_OP(silu_name, float_input, silu_input_count, silu_compute_v1, silu_compute);
+
 /* ---- registration ---- */
 
 /* onnxruntime calls this when a session's options register the library. The domain is made once
@@ -341,6 +479,8 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &q4i16_op));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &q8i16_op));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &attention_op));
+        CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &qkv_attention_op));
+        CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &silu_op));
     }
     return API(AddCustomOpDomain, AddCustomOpDomainFn)(options, domain);
 }

@@ -53,3 +53,17 @@ def test_built_once_per_source_version(fresh_cache):
     stamp = first.stat().st_mtime_ns
     kernels._built.clear()
     assert kernels.library() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+
+def test_no_compiler_names_the_layer_fusion(fresh_cache, monkeypatch):
+    """fuse_silu_mul emits a mobc op: without a compiler it fails naming itself, before any rewrite."""
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    from passes import build
+    from tests.passes.tiny import tiny
+
+    _, model = tiny("llama", 1)
+    build("fuse_projections")(model)
+    ops = [n.op_type for n in model.graph]
+    with pytest.raises(kernels.KernelBuildError, match="fuse_silu_mul needs mobc's CPU kernels"):
+        build("fuse_silu_mul").call(model)
+    assert [n.op_type for n in model.graph] == ops
