@@ -18,6 +18,7 @@ from passes import (  # noqa: E402,F401
     fuse_rmsnorm,
     fuse_rotary,
     fuse_silu_mul,
+    fuse_skip_rmsnorm,
     linear_to_conv,
     lora_inputs,
     matmul_nbits,

@@ -104,3 +104,18 @@ def test_an_interleaved_rotation_is_not_fused():
     rot.attributes["interleaved"] = ir.AttrInt64("interleaved", 1)
     build("fuse_attention_prologue")(model)
     assert _ops(model).count("QKVCacheAttention") == layout.n_layers - 1
+
+
+def test_skip_rmsnorm_takes_every_residual_add_into_its_norm(arch):
+    """Each norm of a residual sum becomes one SkipSimplifiedLayerNormalization whose output 3 is
+    the sum the next residual Add reads; only norms of something else (the embedding, q/k norms) stay."""
+    gs, feeds = graphset_for(arch, (1, 4))
+    out, rows = run_passes(gs, ["fold_constants", "fuse_projections", "fuse_rmsnorm", "fuse_skip_rmsnorm"], 1e-4, feeds)
+    assert rows[-1]["pass"] == "fuse_skip_rmsnorm" and rows[-1]["worst"]["diff"] < 1e-5
+    for entry in out.entries.values():
+        fused = [n for n in entry.model.graph if n.op_type == "SkipSimplifiedLayerNormalization"]
+        norms_of_sums = [n for n in entry.model.graph if n.op_type == "SimplifiedLayerNormalization"
+                         and (p := n.inputs[0].producer()) is not None and p.op_type == "Add"]
+        assert len(fused) >= 2 * tiny(arch, 1)[0].n_layers - 1 and not norms_of_sums
+        assert all(n.outputs[3].uses() or n.outputs[3].is_graph_output() or n is fused[-1] for n in fused)
+        build("fuse_skip_rmsnorm").ensures(entry.model)
