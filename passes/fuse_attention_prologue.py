@@ -163,6 +163,9 @@ def _match(attention: ir.Node) -> _Prologue | None:
         v_chain, v_start = _chain_back(new_value)
         (q_split, q_bias, q_add), (k_split, k_bias, k_add), (v_split, v_bias, v_add) = (
             _unbiased(v) for v in (q_start, k_start, v_start))
+        # every value the fused op swallows is read only inside the pattern
+        if not all(_single_use(v) for v in (q_start, k_start, v_start, q_rot.inputs[0], k_rot.inputs[0])):
+            return None
         split = q_split.producer()
         if split is None or split.op_type != "Split" or len(split.outputs) != 3 or \
                 list(split.outputs) != [q_split, k_split, v_split]:

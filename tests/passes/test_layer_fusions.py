@@ -98,6 +98,18 @@ def test_a_chain_that_moves_elements_differently_is_not_fused():
     assert max(float(np.abs(want[k] - got[k]).max()) for k in want) < 1e-5
 
 
+def test_a_value_read_outside_the_pattern_keeps_its_layer_unfused():
+    """The queries in head layout also feed a graph output: fusing would drop the node producing them."""
+    layout, model = _prepared("llama", 4)
+    heads = _q_transpose(model).outputs[0]
+    model.graph.outputs.append(heads)
+    want = _run(model, layout)
+    build("fuse_attention_prologue")(model)
+    assert _ops(model).count("QKVCacheAttention") == layout.n_layers - 1
+    got = _run(model, layout)
+    assert set(got) == set(want) and max(float(np.abs(want[k] - got[k]).max()) for k in want) < 1e-5
+
+
 def test_an_interleaved_rotation_is_not_fused():
     layout, model = _prepared("llama", 4)
     rot = next(n for n in model.graph if n.op_type == "RotaryEmbedding")

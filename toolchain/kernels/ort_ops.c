@@ -97,6 +97,19 @@ static OrtStatus *matmul_output(OrtKernelContext *ctx, const Tensor *x, int64_t 
     return API(GetTensorMutableData, GetTensorMutableDataFn)(out, y);
 }
 
+/* inputs 0..n-1 of an op whose inputs are all float */
+static OrtStatus *float_inputs(OrtKernelContext *ctx, Tensor *t, size_t n, const char *op) {
+    for (size_t i = 0; i < n; i++) {
+        CHECK(input(ctx, i, &t[i]));
+        if (t[i].elem != ORT_ELEMENT_FLOAT) {
+            char msg[128];
+            snprintf(msg, sizeof msg, "%s: input %d is not float", op, (int)i);
+            return API(CreateStatus, CreateStatusFn)(ORT_INVALID_ARGUMENT, msg);
+        }
+    }
+    return NULL;
+}
+
 /* output `index` of the given shape */
 static OrtStatus *output(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t rank, float **data) {
     OrtValue *out = NULL;
@@ -307,7 +320,7 @@ static void attention_rows(const AttentionCall *c) {
 /* one task per (group, head): its N rows together, so each key chunk and value row is read once for
  * all of them (SmolLM2's shapes, 200 admitted slots, in C: 1.61x the row-at-a-time kernel on a
  * verify call's 8 rows, 2.27x on 32, 1.17x on one), and a row's result is the same in any call */
-static void attention_task(void *data, size_t head) {  /* head = g * H + h */
+static void attention_task(void *data, size_t head) {  /* head = g * H + h, H query heads per group */
     AttentionCall a = *(const AttentionCall *)data;
     int64_t g = (int64_t)head / a.H;
     a.q += (int64_t)head * a.N * a.D;
@@ -319,10 +332,7 @@ static void attention_task(void *data, size_t head) {  /* head = g * H + h */
 static OrtStatus *attention_compute(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
     Tensor t[7];
-    for (size_t i = 0; i < 7; i++) {
-        CHECK(input(ctx, i, &t[i]));
-        if (t[i].elem != ORT_ELEMENT_FLOAT) return fail("CacheAttention: input %lld is not float%.0lld", (int64_t)i, 0);
-    }
+    CHECK(float_inputs(ctx, t, 7, "CacheAttention"));
     Tensor *q = &t[0], *pk = &t[1], *nk = &t[2], *pv = &t[3], *nv = &t[4], *mask = &t[5], *scale = &t[6];
     for (size_t i = 0; i < 6; i++)
         if (t[i].rank != 4) return fail("CacheAttention: input %lld has rank %lld, expected 4", (int64_t)i, (int64_t)t[i].rank);
@@ -356,28 +366,10 @@ static const OrtCustomOp attention_op =
 
 /* ---- QKVCacheAttention ---- */
 
-typedef struct {
-    AttentionCall attn;  /* q: the rotated queries [Hq, N, D], out: [Hq, N, D] */
-    int64_t per_group;   /* query heads per KV group */
-} QKVCall;
-
-static void qkv_attention_task(void *data, size_t head) {
-    const QKVCall *c = (const QKVCall *)data;
-    AttentionCall a = c->attn;  /* one query head: its group's cache */
-    int64_t g = (int64_t)head / c->per_group;
-    a.q += (int64_t)head * a.N * a.D;
-    a.out += (int64_t)head * a.N * a.D;
-    a.pk += g * a.D * a.P, a.nk += g * a.D * a.Nn, a.pv += g * a.P * a.D, a.nv += g * a.Nn * a.D;
-    attention_rows(&a);
-}
-
 static OrtStatus *qkv_attention_compute(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
     Tensor t[7];
-    for (size_t i = 0; i < 7; i++) {
-        CHECK(input(ctx, i, &t[i]));
-        if (t[i].elem != ORT_ELEMENT_FLOAT) return fail("QKVCacheAttention: input %lld is not float%.0lld", (int64_t)i, 0);
-    }
+    CHECK(float_inputs(ctx, t, 7, "QKVCacheAttention"));
     Tensor *qkv = &t[0], *cs = &t[1], *sn = &t[2], *pk = &t[3], *pv = &t[4], *mask = &t[5], *scale = &t[6];
     if (qkv->rank < 2 || pk->rank != 4 || pv->rank != 4 || mask->rank != 4)
         return fail("QKVCacheAttention: qkv must be [..., N, C] and the caches and mask rank 4 (ranks %lld, %lld)",
@@ -409,8 +401,8 @@ static OrtStatus *qkv_attention_compute(void *kernel, OrtKernelContext *ctx) {
     float *q = scratch, *heads = N > 1 ? scratch + head_floats : out;  /* one row: [Hq, 1, D] is out's layout */
     mobc_qkv_prologue((const float *)qkv->data, N, Hq, G, D, (const float *)cs->data, (const float *)sn->data, q, nk, nv);
     memset(heads, 0, sizeof(float) * head_floats);
-    QKVCall call = {{q, pk->data, nk, pv->data, nv, mask->data, 1, N, D, P, N, *(const float *)scale->data, heads}, Hq / G};
-    OrtStatus *st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, qkv_attention_task, (size_t)Hq, 0, &call);
+    AttentionCall call = {q, pk->data, nk, pv->data, nv, mask->data, Hq / G, N, D, P, N, *(const float *)scale->data, heads};
+    OrtStatus *st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, attention_task, (size_t)Hq, 0, &call);
     if (st == NULL && N > 1)  /* [Hq, N, D] -> [N, Hq, D] */
         for (int64_t h = 0; h < Hq; h++)
             for (int64_t n = 0; n < N; n++)
