@@ -13,7 +13,7 @@ anyway, by bounding that move and rescoring the candidates it could affect:
     B       = sum_b (max|x_b| / 254) * max_j |d_bj| * sum_i |k_bij|    >= bound_j for every j
     rival   = max(max_{j in R} (approx_j + bound_j), a_S + B)
     certified (per row) iff  rival < max exact_C
-    logits  = If(all rows certified, approx with exact_C scattered in, float x @ E^T)
+    logits  = approx with exact_C scattered in; each row not certified: its float x_r @ E^T
 
 Why the bound holds: level 4 rounds x_b to s_b * round(x_b / s_b) with s_b = max|x_b| / 127, so
 each activation moves by at most s_b / 2, and a weight row's logit by at most that times the block's
@@ -23,9 +23,11 @@ beat the best rescored one, and argmax(logits) is the float graph's argmax. Both
 by 1.05 and padded by 1e-3 to cover the kernel's float32 accumulation. Only the S - K screened tokens
 get a bound of their own: bounding every token was a [18 x 49152] product and two passes over the
 vocabulary per call (~0.3 ms of SmolLM2's 13 ms step); B alone for all of them failed 8% of real
-positions (hidden states of 16 HumanEval and chat prompts), B past the best 256 none of 407. When the
-certificate fails (a near tie spread over more than K tokens), the call falls back to the exact float
-product for all its rows. The float table E is the embedding Gather's own initializer (the tied head),
+positions (hidden states of 16 HumanEval and chat prompts), B past the best 256 none of 407. A row whose
+certificate fails (a near tie spread over more than K tokens) gets the exact float product x_r @ E^T
+over the whole vocabulary, computed for the failing rows only (an If: a call whose rows all hold
+skips it; a 128-row prompt window at int8 fails a row or two, and computing all 128 rows' float logits
+then took ~18% of the window's time). The float table E is the embedding Gather's own initializer (the tied head),
 read only at the K gathered rows and in the fallback, so it is not resident.
 
 The contract changes: `logits` is argmax-exact (each row's argmax and its value equal the float
@@ -100,18 +102,33 @@ def _certified_branch(name: str, approx: ir.Value, idx: ir.Value, exact: ir.Valu
     return ir.Graph([], [out], nodes=[node], name=name)
 
 
-def _fallback(name: str, e: ir.Value, x2: ir.Value, m: int, v: int) -> ir.Graph:
-    """A subgraph computing the float logits x @ E^T as (E @ x^T)^T: E stays the MatMul's first
-    input, so onnxruntime neither folds a transposed copy nor prepacks it at session start."""
-    xt = ir.Node("", "Transpose", [x2], attributes=[ir.AttrInt64s("perm", [1, 0])], name=f"{name}/xt")
-    xt.outputs[0].name = f"{name}_xt"
-    mm = ir.Node("", "MatMul", [e, xt.outputs[0]], name=f"{name}/matmul")
-    mm.outputs[0].name = f"{name}_vm"
-    back = ir.Node("", "Transpose", [mm.outputs[0]], attributes=[ir.AttrInt64s("perm", [1, 0])],
-                   name=f"{name}/back")
-    out = back.outputs[0]
-    out.name, out.shape, out.type = f"{name}_logits", ir.Shape([m, v]), ir.TensorType(ir.DataType.FLOAT)
-    return ir.Graph([], [out], nodes=[xt, mm, back], name=name)
+def _fallback(name: str, approx: ir.Value, idx: ir.Value, exact: ir.Value, row_ok: ir.Value, e: ir.Value,
+              x2: ir.Value, m: int, v: int) -> ir.Graph:
+    """The If's else branch: the certified rows as in the then branch, and each row whose
+    certificate failed replaced by its float logits x_r @ E^T, computed for those rows only (a
+    128-row prompt window fails on a row or two; the whole window's float product cost it ~18% of
+    its time). E stays the MatMul's first input, so onnxruntime neither folds a transposed copy nor
+    prepacks it at session start."""
+    nodes: list[ir.Node] = []
+
+    def op(kind: str, inputs: list, label: str, attrs: list | None = None) -> ir.Value:
+        node = ir.Node("", kind, inputs, attributes=attrs or [], name=f"{name}/{label}")
+        node.outputs[0].name = f"{name}_{label}"
+        nodes.append(node)
+        return node.outputs[0]
+
+    def const(label: str, array) -> ir.Value:
+        return op("Constant", [], label, [ir.AttrTensor("value", ir.tensor(np.asarray(array), name=f"{name}_{label}"))])
+
+    base = op("ScatterElements", [approx, idx, exact], "scatter", [ir.AttrInt64("axis", 1)])
+    failed = op("Not", [op("Reshape", [row_ok, const("shape_m", [m])], "row_ok")], "failed")
+    which = op("Transpose", [op("NonZero", [failed], "nonzero")], "which", [ir.AttrInt64s("perm", [1, 0])])  # [F, 1]
+    rows = op("Gather", [x2, op("Reshape", [which, const("shape_flat", [-1])], "which_flat")], "rows")  # [F, C]
+    xt = op("Transpose", [rows], "xt", [ir.AttrInt64s("perm", [1, 0])])
+    exact_rows = op("Transpose", [op("MatMul", [e, xt], "matmul")], "float_rows", [ir.AttrInt64s("perm", [1, 0])])
+    out = op("ScatterND", [base, which, exact_rows], "logits")
+    out.shape, out.type = ir.Shape([m, v]), ir.TensorType(ir.DataType.FLOAT)
+    return ir.Graph([], [out], nodes=nodes, name=name)
 
 
 def _rewrite(graph: ir.Graph, node: ir.Node, cfg: PassConfig) -> bool:
@@ -203,7 +220,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, cfg: PassConfig) -> bool:
               attrs={"to": int(ir.DataType.BOOL)}).outputs[0]
     choose = ir.Node("", "If", [cond], attributes=[
         ir.AttrGraph("then_branch", _certified_branch("lm_head_certified_then", approx, idx, exact, m, v)),
-        ir.AttrGraph("else_branch", _fallback("lm_head_float_fallback", table, x2, m, v)),
+        ir.AttrGraph("else_branch", _fallback("lm_head_float_fallback", approx, idx, exact, row_ok, table, x2, m, v)),
     ], name="lm_head_certified/choose")
     graph.insert_before(node, choose)
     chosen = choose.outputs[0]

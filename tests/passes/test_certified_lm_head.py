@@ -152,3 +152,35 @@ def test_the_certificate_compares_the_next_best_approximation_with_the_best_resc
         got = ort_run(next(iter(gs2.entries.values())), feeds2[fam])["logits"]
         is_float = np.allclose(got, float_logits[fam], atol=1e-6)
         assert is_float != certified_expected
+
+
+def test_only_the_rows_whose_certificate_fails_get_the_float_head():
+    """With the pad between two rows' margins, the rows below it take their float logits over the
+    whole vocabulary and the others keep the certified logits (approximate off the candidates)."""
+    gs, feeds, float_logits = _certified("llama", 4)
+    entry, fam = next(iter(gs.entries.values())), next(iter(gs.entries))
+    graph = entry.model.graph
+    best, rival = _node(graph, "best").outputs[0].name, _node(graph, "rival").outputs[0].name
+    probe = dataclasses.replace(entry, name="probe", model=extract(entry.model, [i.name for i in graph.inputs],
+                                                                 [best, rival], "probe"))
+    out = ort_run(probe, feeds[fam])
+    margins = (out[best] - out[rival]).reshape(-1)  # > 0: certified with the default pad
+    assert (margins > 0).all() and len(set(margins.tolist())) == len(margins)
+    cut = float(np.sort(margins)[1:3].mean())  # between the second and third smallest margins
+    gs2, feeds2 = graphset_for("llama", (4,))
+    _head_on_q8_0(gs2)
+    old = certified.BOUND_PAD
+    certified.BOUND_PAD = old + cut
+    try:
+        for e in gs2.entries.values():
+            assert build("certified_lm_head").call(e.model).modified
+    finally:
+        certified.BOUND_PAD = old
+    got = ort_run(next(iter(gs2.entries.values())), feeds2[fam])["logits"].reshape(4, -1)
+    want = float_logits[fam].reshape(4, -1)
+    failing = margins < cut
+    assert failing.sum() == 2
+    for row in range(4):
+        is_float = np.allclose(got[row], want[row], atol=1e-5)
+        assert is_float == bool(failing[row]), row
+        assert got[row].argmax() == want[row].argmax()
