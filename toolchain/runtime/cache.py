@@ -19,6 +19,11 @@ Every layer's K (and V) buffer is a view into one stacked [layers, ...] array, t
 width's, so a commit of rows that arrive stacked too (`StackedRows`, what a bound family returns)
 and a width's refresh are one numpy copy each instead of one per layer (SmolLM2's 30 layers: ~0.7
 of ~1.1 ms of Python per decoded token before).
+The master holds only the slots a call can read, [0, context - the layout's width): the narrowest
+width's past is the whole master, so its bound buffers are the master itself and an AR step writes
+each new row once instead of twice (the keys' slot is a strided write across every layer, head and
+dim: ~0.1 ms a copy with the caches cold after a decode call). A commit past the last readable slot
+(the last token a full context takes) keeps its length but stores nothing.
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ class KVCache:
         self.context = context or layout.context
         self.rope = rope
         n = layout.n_layers
-        self._keys = np.zeros((n, layout.n_kv, 1, layout.head_dim, self.context), np.float32)
-        self._values = np.zeros((n, layout.n_kv, 1, self.context, layout.head_dim), np.float32)
-        self.keys = list(self._keys)  # per-layer views [Hkv, 1, D, CL] of the stacked master
+        self.slots = max(0, self.context - layout.width)  # the slots any call of width >= layout.width reads
+        self._keys = np.zeros((n, layout.n_kv, 1, layout.head_dim, self.slots), np.float32)
+        self._values = np.zeros((n, layout.n_kv, 1, self.slots, layout.head_dim), np.float32)
+        self.keys = list(self._keys)  # per-layer views [Hkv, 1, D, slots] of the stacked master
         self.values = list(self._values)
         self.length = 0  # committed tokens; token at slot s has position s
         self._bufs: dict[int, dict[str, np.ndarray]] = {}
@@ -85,13 +91,19 @@ class KVCache:
                 f"{self.context - width} (context {self.context}); use a shorter prompt or fewer new tokens"
             )
 
-    def _stacked_past(self, width: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    def _stacked_past(self, width: int, share: bool = False) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """Contiguous copies of the master's first CL-N slots, stacked K and V, and per-layer views
-        of them by input name."""
+        of them by input name; with `share`, the master itself when it is exactly that past."""
         self._check_room(width)
         past_len = self.context - width
-        keys = np.ascontiguousarray(self._keys[..., :past_len])
-        values = np.ascontiguousarray(self._values[:, :, :, :past_len])
+        if past_len > self.slots:
+            raise ValueError(f"a width-{width} call reads {past_len} past slots; this cache keeps {self.slots} "
+                             f"(made for calls of width >= {self.context - self.slots})")
+        if share and past_len == self.slots:
+            keys, values = self._keys, self._values
+        else:
+            keys = self._keys[..., :past_len].copy()
+            values = self._values[:, :, :, :past_len].copy()
         feeds = {}
         for i in range(self.layout.n_layers):
             feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = keys[i], values[i]
@@ -205,8 +217,9 @@ class KVCache:
         if width not in self._bufs:
             self._check_room(width)
             bufs = {k: np.zeros_like(v) for k, v in self._new_token_inputs([], width, None, None, 0).items()}
-            # a copy of the master, refreshed here before every use; each layer a view of one array
-            keys, values, past = self._stacked_past(width)
+            # a copy of the master, refreshed here before every use (or the master itself for the
+            # narrowest width); each layer a view of one array
+            keys, values, past = self._stacked_past(width, share=True)
             bufs.update(past)
             self._past[width] = (keys, values)
             self._bufs[width] = bufs
@@ -231,7 +244,12 @@ class KVCache:
         m = len(idx)
         if self.length + m > self.context:
             raise CacheFullError(f"committing {m} tokens overflows the context ({self.context})")
-        lo, hi = self.length, self.length + m
+        lo, end = self.length, self.length + m
+        hi = min(end, self.slots)  # a slot no call reads is not stored
+        self.length = end
+        if hi <= lo:
+            return
+        idx = idx[: hi - lo]
         rows = _as_slice(idx)
         stacked = getattr(new_rows, "stacked", None)
         if stacked is not None:  # every layer in one copy: [L, Hkv, 1, D, N] and [L, Hkv, 1, N, D]
@@ -242,7 +260,6 @@ class KVCache:
                 self.keys[i][..., lo:hi] = new_rows[f"new_key_{i}"][..., rows]
                 self.values[i][:, :, lo:hi] = new_rows[f"new_value_{i}"][:, :, rows]
         self._sync_bound(lo, hi)
-        self.length = hi
 
     def move_slots(self, src: Sequence[int], dst0: int) -> None:
         """Copy committed slots src[j] -> dst0 + j (destinations at or below their sources, in
@@ -252,6 +269,8 @@ class KVCache:
             d = dst0 + j
             if s == d:
                 continue
+            if s >= self.slots:
+                raise ValueError(f"slot {s} was never stored (this cache keeps {self.slots}); keep room for scratch rows")
             for i in range(self.layout.n_layers):
                 self.keys[i][..., d] = self.keys[i][..., s]
                 self.values[i][:, :, d] = self.values[i][:, :, s]
@@ -266,7 +285,7 @@ class KVCache:
     def _refresh(self, width: int) -> None:
         """Copy the stale master slots into width's past buffers (a width-N past holds only CL-N slots)."""
         stale = self._stale.pop(width, None)
-        if stale is None:
+        if stale is None or self._past[width][0] is self._keys:  # the master itself: nothing to copy
             return
         lo, top = stale[0], min(stale[1], self.context - width)
         if top > lo:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -198,3 +200,42 @@ def test_one_token_fast_path_equals_the_general_inputs(kinds, window):
         for name in general:
             np.testing.assert_array_equal(fast[name], general[name], err_msg=f"{name} at length {length}")
             assert fast[name].dtype == general[name].dtype and fast[name].shape == general[name].shape
+
+
+def test_the_narrowest_widths_bound_past_is_the_master_and_step_inputs_stay_copies():
+    """Width 1 reads every slot the cache keeps: its bound buffers are the master (a commit writes
+    each row once), while step_inputs still hands out arrays no later commit changes."""
+    cache = KVCache(layout(), rope())
+    assert cache.slots == CL - 1
+    bound = cache.buffers(1)
+    assert all(np.shares_memory(bound[f"past_key_{i}"], cache.keys[i]) for i in range(LAYERS))
+    assert not np.shares_memory(cache.buffers(4)["past_key_0"], cache.keys[0])
+    fresh = cache.step_inputs([5], 1)
+    assert not any(np.shares_memory(fresh[f"past_{kind}_{i}"], cache.keys[i]) or
+                   np.shares_memory(fresh[f"past_{kind}_{i}"], cache.values[i])
+                   for kind in ("key", "value") for i in range(LAYERS))
+    new = rows(1, seed=3)
+    cache.commit(new, [0])
+    np.testing.assert_array_equal(bound["past_key_1"][..., 0], new["new_key_1"][..., 0])
+    np.testing.assert_array_equal(cache.fill([6], 1)["past_value_0"][:, :, 0], new["new_value_0"][:, :, 0])
+    assert not fresh["past_key_1"].any()  # taken before the commit, unchanged by it
+
+
+def test_a_commit_past_the_last_readable_slot_counts_but_stores_nothing():
+    cache = KVCache(layout(), rope())
+    cache.commit(rows(CL - 1, seed=4), range(CL - 1))
+    last = rows(1, seed=5)
+    cache.commit(last, [0])  # slot CL - 1: no call reads it (a width-1 call needs length <= CL - 1)
+    assert cache.length == CL and cache.free(1) < 0
+    with pytest.raises(CacheFullError):
+        cache.step_inputs([1], 1)
+    cache.truncate(CL - 2)
+    cache.commit(last, [0])  # slot CL - 2 is kept
+    np.testing.assert_array_equal(cache.keys[0][..., CL - 2], last["new_key_0"][..., 0])
+
+
+def test_a_call_narrower_than_the_cache_was_made_for_is_refused():
+    wide = dataclasses.replace(layout(), width=4)
+    cache = KVCache(wide, rope())
+    with pytest.raises(ValueError, match="keeps 12"):
+        cache.step_inputs([1], 1)

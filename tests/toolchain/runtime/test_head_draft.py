@@ -57,8 +57,8 @@ def test_chain_with_a_head_generates_ars_tokens_and_keeps_target_features(world)
         fresh._run(text)
         for mine, ref in zip(draft.cache.keys + draft.cache.values, fresh.cache.keys + fresh.cache.values,
                              strict=True):
-            np.testing.assert_allclose(mine[..., :n] if mine.shape[-1] == draft.cache.context else mine[:, :, :n],
-                                       ref[..., :n] if ref.shape[-1] == draft.cache.context else ref[:, :, :n],
+            np.testing.assert_allclose(mine[..., :n] if mine.shape[-1] == draft.cache.slots else mine[:, :, :n],
+                                       ref[..., :n] if ref.shape[-1] == draft.cache.slots else ref[:, :, :n],
                                        atol=1e-5)
         assert text == (ids + want)[:n]
 
