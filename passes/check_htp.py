@@ -21,6 +21,7 @@ import onnx_ir as ir
 from passes.base import GraphPass, PassConfig
 from passes.registry import register
 from toolchain.errors import PassError
+from toolchain.ir.graph import onnx_op
 
 # onnxruntime contrib ops that live in the ONNX domain (the CPU passes write them)
 ORT_CONTRIB_OPS = {"SimplifiedLayerNormalization"}
@@ -42,7 +43,7 @@ class CheckHtp(GraphPass):
         for node in g:
             if node.op_type in self.config.banned_ops:
                 found.append(f"{node.op_type} node {node.name} is not supported by QNN HTP")
-            elif node.domain not in ("", "ai.onnx") or node.op_type in ORT_CONTRIB_OPS:
+            elif not onnx_op(node) or node.op_type in ORT_CONTRIB_OPS:
                 found.append(f"{node.op_type} node {node.name} is an onnxruntime CPU op (from a CPU pass "
                              "such as matmul_nbits or fuse_rmsnorm); drop that pass from an NPU recipe")
             for v in node.outputs:

@@ -36,9 +36,11 @@ from toolchain.ir.graph import (
     add_initializer,
     const_array,
     new_node,
+    onnx_op,
     remove_unused,
     scope,
     shape_of,
+    sole_reader,
     take_over,
 )
 
@@ -56,19 +58,15 @@ class _Prologue:
     nodes: list[ir.Node]  # everything the fused op replaces
 
 
-def _single_use(value: ir.Value) -> bool:
-    return len(list(value.uses())) == 1 and not value.is_graph_output()
-
-
 def _chain_back(value: ir.Value) -> tuple[list[ir.Node], ir.Value]:
     """The Reshape/Transpose nodes that lead to `value` (in graph order) and the value they start
     from; every value inside the chain has one use, or it could not be dropped."""
     chain: list[ir.Node] = []
     node = value.producer()
-    while node is not None and node.op_type in LAYOUT_OPS and node.domain in ("", "ai.onnx"):
+    while onnx_op(node, *LAYOUT_OPS):
         chain.insert(0, node)
         value = node.inputs[0]
-        if not _single_use(value):
+        if sole_reader(value) is None:
             break
         node = value.producer()
     return chain, value
@@ -76,10 +74,7 @@ def _chain_back(value: ir.Value) -> tuple[list[ir.Node], ir.Value]:
 
 def _chain_forward(value: ir.Value) -> tuple[list[ir.Node], ir.Value]:
     chain: list[ir.Node] = []
-    while _single_use(value):
-        node = next(iter(value.uses())).node
-        if node.op_type not in LAYOUT_OPS or node.domain not in ("", "ai.onnx") or value is not node.inputs[0]:
-            break
+    while onnx_op(node := sole_reader(value), *LAYOUT_OPS) and value is node.inputs[0]:
         chain.append(node)
         value = node.outputs[0]
     return chain, value
@@ -118,11 +113,11 @@ def _moves_like(chain: list[ir.Node], start: ir.Value, end: ir.Value, want) -> b
 def _unbiased(value: ir.Value) -> tuple[ir.Value, np.ndarray | None, list[ir.Node]]:
     """value, or the value a constant 1-D bias is added to to make it (and that Add)."""
     node = value.producer()
-    if node is None or node.op_type != "Add" or node.domain not in ("", "ai.onnx"):
+    if not onnx_op(node, "Add"):
         return value, None, []
     for x, b in (node.inputs, node.inputs[::-1]):
         bias = const_array(b)
-        if bias is not None and x is not None and x.const_value is None and bias.ndim == 1 and _single_use(x):
+        if bias is not None and x is not None and x.const_value is None and bias.ndim == 1 and sole_reader(x) is not None:
             return x, bias, [node]
     return value, None, []
 
@@ -149,12 +144,12 @@ def _match(attention: ir.Node) -> _Prologue | None:
     try:
         g, per_group, n, d = shape_of(q)
         hq = g * per_group
-        if not _single_use(q):
+        if sole_reader(q) is None:
             return None
         q_chain, q_rot_out = _chain_back(q)
         k_chain, k_rot_out = _chain_back(new_key)
         q_rot, k_rot = q_rot_out.producer(), k_rot_out.producer()
-        if not (_rotary(q_rot, n, d) and _rotary(k_rot, n, d) and _single_use(q_rot_out) and _single_use(k_rot_out)):
+        if not (_rotary(q_rot, n, d) and _rotary(k_rot, n, d) and sole_reader(q_rot_out) is not None and sole_reader(k_rot_out) is not None):
             return None
         if q_rot.inputs[2] is not k_rot.inputs[2] or q_rot.inputs[3] is not k_rot.inputs[3]:
             return None
@@ -164,7 +159,7 @@ def _match(attention: ir.Node) -> _Prologue | None:
         (q_split, q_bias, q_add), (k_split, k_bias, k_add), (v_split, v_bias, v_add) = (
             _unbiased(v) for v in (q_start, k_start, v_start))
         # every value the fused op swallows is read only inside the pattern
-        if not all(_single_use(v) for v in (q_start, k_start, v_start, q_rot.inputs[0], k_rot.inputs[0])):
+        if any(sole_reader(v) is None for v in (q_start, k_start, v_start, q_rot.inputs[0], k_rot.inputs[0])):
             return None
         split = q_split.producer()
         if split is None or split.op_type != "Split" or len(split.outputs) != 3 or \
@@ -177,7 +172,7 @@ def _match(attention: ir.Node) -> _Prologue | None:
             return None
         if qkv_shape[-1] != (hq + 2 * g) * d or int(np.prod(qkv_shape[:-1])) != n or \
                 [shape_of(v)[-1] for v in split.outputs] != [hq * d, g * d, g * d] or \
-                not all(_single_use(v) for v in split.outputs):
+                any(sole_reader(v) is None for v in split.outputs):
             return None
         out_chain, out = _chain_forward(attention.outputs[0])
     except (ValueError, TypeError):

@@ -18,36 +18,28 @@ import onnx_ir as ir
 from passes.base import GraphPass
 from passes.registry import register
 from toolchain import kernels
-from toolchain.ir.graph import new_node, remove_unused, scope, shape_of
-
-
-def _uses(value: ir.Value) -> list[ir.Node]:
-    return [] if value.is_graph_output() else [u.node for u in value.uses()]
-
-
-def _only_use(value: ir.Value, op: str) -> ir.Node | None:
-    uses = _uses(value)
-    return uses[0] if len(uses) == 1 and uses[0].op_type == op else None
+from toolchain.ir.graph import new_node, onnx_op, remove_unused, scope, shape_of, sole_reader
 
 
 def _silu(gate: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
     """The nodes computing silu(gate) from gate (its only readers) and their result."""
-    uses = _uses(gate)
-    if len(uses) == 1 and uses[0].op_type == "QuickGelu":
-        alpha = uses[0].attributes.get("alpha")
-        return ([uses[0]], uses[0].outputs[0]) if alpha is None or alpha.as_float() == 1.0 else None
+    gelu = sole_reader(gate, "QuickGelu")
+    if gelu is not None:
+        alpha = gelu.attributes.get("alpha")
+        return ([gelu], gelu.outputs[0]) if alpha is None or alpha.as_float() == 1.0 else None
+    uses = [] if gate.is_graph_output() else [u.node for u in gate.uses()]
     if len(uses) != 2 or {u.op_type for u in uses} != {"Sigmoid", "Mul"}:
         return None
     sigmoid = next(u for u in uses if u.op_type == "Sigmoid")
     mul = next(u for u in uses if u.op_type == "Mul")
-    if set(map(id, mul.inputs)) != {id(gate), id(sigmoid.outputs[0])} or _only_use(sigmoid.outputs[0], "Mul") is not mul:
+    if set(map(id, mul.inputs)) != {id(gate), id(sigmoid.outputs[0])} or sole_reader(sigmoid.outputs[0], "Mul") is not mul:
         return None
     return [sigmoid, mul], mul.outputs[0]
 
 
 def _match(split: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Value] | None:
     """(h, the nodes SiluMul(h) replaces, their result)"""
-    if len(split.outputs) != 2 or split.domain not in ("", "ai.onnx"):
+    if len(split.outputs) != 2 or not onnx_op(split):
         return None
     try:
         shape = shape_of(split.inputs[0])
@@ -62,8 +54,8 @@ def _match(split: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Value] | None:
     if silu is None:
         return None
     nodes, activated = silu
-    product = _only_use(activated, "Mul")
-    if product is None or _only_use(up, "Mul") is not product:
+    product = sole_reader(activated, "Mul")
+    if product is None or sole_reader(up, "Mul") is not product:
         return None
     return split.inputs[0], [split, *nodes, product], product.outputs[0]
 

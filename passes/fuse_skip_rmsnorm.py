@@ -20,17 +20,17 @@ import onnx_ir as ir
 
 from passes.base import GraphPass
 from passes.registry import register
-from toolchain.ir.graph import const_array, new_node, remove_unused, scope, shape_of, take_over
+from toolchain.ir.graph import const_array, new_node, onnx_op, remove_unused, scope, shape_of, take_over
 
 DOMAIN = "com.microsoft"
 
 
 def _match(norm: ir.Node) -> ir.Node | None:
     """The Add whose sum `norm` normalizes, when the two can be one node."""
-    if norm.op_type != "SimplifiedLayerNormalization" or norm.domain not in ("", "ai.onnx") or len(norm.outputs) != 1:
+    if not onnx_op(norm, "SimplifiedLayerNormalization") or len(norm.outputs) != 1:
         return None
     add = norm.inputs[0].producer()
-    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+    if not onnx_op(add, "Add"):
         return None
     axis = norm.attributes.get("axis")
     weight = const_array(norm.inputs[1]) if len(norm.inputs) > 1 else None

@@ -54,6 +54,25 @@ def linear_weight(node: ir.Node) -> tuple[np.ndarray, str] | None:
     return None
 
 
+ONNX_DOMAINS = ("", "ai.onnx")
+
+
+def onnx_op(node: ir.Node | None, *op_types: str) -> bool:
+    """Whether node is a standard ONNX op (one of op_types, if any are given), not a contrib or
+    custom one that only shares its name."""
+    return node is not None and node.domain in ONNX_DOMAINS and (not op_types or node.op_type in op_types)
+
+
+def sole_reader(value: ir.Value, op_type: str | None = None) -> ir.Node | None:
+    """The one node reading `value` (of op_type, if given) when nothing else reads it and it is not
+    a graph output: a value a fusion may swallow together with its producer."""
+    uses = list(value.uses())
+    if value.is_graph_output() or len(uses) != 1:
+        return None
+    node = uses[0].node
+    return node if op_type is None or node.op_type == op_type else None
+
+
 def is_initializer(value: ir.Value | None) -> bool:
     return value is not None and value.is_initializer()
 

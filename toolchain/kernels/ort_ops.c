@@ -83,8 +83,15 @@ static OrtStatus *input(OrtKernelContext *ctx, size_t index, Tensor *t) {
     return API(GetTensorMutableData, GetTensorMutableDataFn)((OrtValue *)value, &t->data);
 }
 
+/* output `index` of the given shape */
+static OrtStatus *output(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t rank, float **data) {
+    OrtValue *out = NULL;
+    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, index, dims, rank, &out));
+    return API(GetTensorMutableData, GetTensorMutableDataFn)(out, (void **)data);
+}
+
 /* a matmul's output: x's shape with its last axis N; *rows = the product of x's other axes */
-static OrtStatus *matmul_output(OrtKernelContext *ctx, const Tensor *x, int64_t N, int64_t *rows, void **y) {
+static OrtStatus *matmul_output(OrtKernelContext *ctx, const Tensor *x, int64_t N, int64_t *rows, float **y) {
     int64_t dims[MAX_DIMS];
     *rows = 1;
     for (size_t i = 0; i + 1 < x->rank; i++) {
@@ -92,9 +99,7 @@ static OrtStatus *matmul_output(OrtKernelContext *ctx, const Tensor *x, int64_t 
         dims[i] = x->dims[i];
     }
     dims[x->rank - 1] = N;
-    OrtValue *out = NULL;
-    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, x->rank, &out));
-    return API(GetTensorMutableData, GetTensorMutableDataFn)(out, y);
+    return output(ctx, 0, dims, x->rank, y);
 }
 
 /* inputs 0..n-1 of an op whose inputs are all float */
@@ -108,13 +113,6 @@ static OrtStatus *float_inputs(OrtKernelContext *ctx, Tensor *t, size_t n, const
         }
     }
     return NULL;
-}
-
-/* output `index` of the given shape */
-static OrtStatus *output(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t rank, float **data) {
-    OrtValue *out = NULL;
-    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, index, dims, rank, &out));
-    return API(GetTensorMutableData, GetTensorMutableDataFn)(out, (void **)data);
 }
 
 static int64_t elements(const Tensor *t) {
@@ -171,7 +169,7 @@ static OrtStatus *q4_run(OrtKernelContext *ctx, int int16_activations) {
         if (per_block[i]->dims[0] != groups || per_block[i]->dims[1] != nb || per_block[i]->dims[2] != MOBC_Q4_GROUP)
             return fail("MatMulQ4: scales and offsets must be [N/4, K/32, 4] = [%lld, %lld, 4]", groups, nb);
     int64_t rows = 0;
-    void *y = NULL;
+    float *y = NULL;
     CHECK(matmul_output(ctx, &x, N, &rows, &y));
     if (rows == 0 || N == 0) return NULL;
     /* each row's block sums (and, for MatMulQ4I16, its int16 blocks) computed once per call, before
@@ -275,7 +273,7 @@ static OrtStatus *q8i16_compute(void *kernel, OrtKernelContext *ctx) {
     if (K != q.dims[1] * MOBC_Q8_BLOCK) return fail("MatMulQ8I16: x has K=%lld but the codes hold K=%lld", K, q.dims[1] * MOBC_Q8_BLOCK);
     if (K > MOBC_Q8_MAX_K) return fail("MatMulQ8I16: K=%lld exceeds the kernel's %lld", K, MOBC_Q8_MAX_K);
     int64_t rows = 0;
-    void *y = NULL;
+    float *y = NULL;
     CHECK(matmul_output(ctx, &x, N, &rows, &y));
     if (rows == 0 || N == 0) return NULL;
     size_t bytes = (size_t)rows * mobc_q8_row_bytes(K);
@@ -345,10 +343,8 @@ static OrtStatus *attention_compute(void *kernel, OrtKernelContext *ctx) {
         return fail("CacheAttention: mask must be [1, 1, %lld, %lld]", N, P + Nn);
     int64_t scale_n = elements(scale);
     if (scale_n != 1) return fail("CacheAttention: scale must hold one value, not %lld%.0lld", scale_n, 0);
-    OrtValue *out = NULL;
-    CHECK(API(KernelContext_GetOutput, GetOutputFn)(ctx, 0, q->dims, 4, &out));
-    void *y = NULL;
-    CHECK(API(GetTensorMutableData, GetTensorMutableDataFn)(out, &y));
+    float *y = NULL;
+    CHECK(output(ctx, 0, q->dims, 4, &y));
     if (G * H * N * D == 0) return NULL;
     memset(y, 0, sizeof(float) * (size_t)(G * H * N * D));
     AttentionCall call = {q->data, pk->data, nk->data, pv->data, nv->data, mask->data,
@@ -440,7 +436,7 @@ static OrtStatus *silu_compute(void *kernel, OrtKernelContext *ctx) {
                     x.rank ? x.dims[x.rank - 1] : 0);
     int64_t F = x.dims[x.rank - 1] / 2, rows = 0;
     float *y = NULL;
-    CHECK(matmul_output(ctx, &x, F, &rows, (void **)&y));
+    CHECK(matmul_output(ctx, &x, F, &rows, &y));
     if (rows == 0 || F == 0) return NULL;
     if (rows == 1) {  /* a decode step's one row: no task to hand out */
         mobc_silu_mul((const float *)x.data, 1, F, y);
