@@ -63,8 +63,9 @@ void mobc_q8_matmul_portable(const void *prepared, int64_t M, const MobcQ8Weight
 #include <immintrin.h>
 
 #define Q8_TILE 4 /* activation rows sharing each vocabulary row's codes */
-/* codes are read this far ahead: a vocabulary row is 576 bytes on SmolLM2 */
-#define Q8_PREFETCH 1024
+/* codes are read this far ahead: a vocabulary row is 576 bytes on SmolLM2 (2 KB: the decode step
+ * 1.4-2.3% faster than 1 KB at 1 and 2 threads; 4 KB no better) */
+#define Q8_PREFETCH 2048
 
 /* AVX2: per block, the codes widened to int16 (minus 128) and pmaddwd against p: eight lanes of four
  * products each, converted (exactly) and fused-multiply-added with d * s_b */
