@@ -33,9 +33,12 @@ read only at the K gathered rows and in the fallback, so it is not resident.
 The contract changes: `logits` is argmax-exact (each row's argmax and its value equal the float
 graph's) while the other entries are within the bound; the pass runner and the compile's check
 against transformers verify exactly that for a recipe with this pass (argmax_exact_outputs).
+With `certificate: op` everything after the first pass is one mobc.cpu CertifyArgmax call (the same
+ranking, rescoring, bounds and per-row float fallback, toolchain/kernels/certificate.c).
 A CPU pass (com.microsoft MatMulNBits; check_htp refuses it). Requires: the lm_head as
 MatMul(x, Transpose(E)) or MatMul(x, W) with W on a Q8_0 grid, producing the graph output `logits`.
-Ensures: `logits` comes out of the certificate's If node, and no float MatMul computes it.
+Ensures: `logits` comes out of the certificate (its If node or CertifyArgmax), and no float MatMul
+computes it.
 """
 
 from __future__ import annotations
@@ -177,6 +180,13 @@ def _rewrite(graph: ir.Graph, node: ir.Node, cfg: PassConfig) -> bool:
                     attrs={"K": c, "N": v, "bits": 8, "block_size": block, "accuracy_level": 4})
         approx.domain = DOMAIN
     approx = approx.outputs[0]
+    if cfg.certificate == "op":
+        kernels.require("certified_lm_head: {certificate: op}")
+        settings = const(f"settings.{k}.{s}", np.array([k, s, BOUND_PAD], np.float32))
+        checked = op("CertifyArgmax", [approx, x2, table, token_w, worst_w, settings], "certify", [m, v])
+        checked.domain = kernels.DOMAIN
+        _finish(graph, node, checked.outputs[0], op, const)
+        return True
     top = op("TopK", [approx, const(f"k.{s + 1}", [s + 1])], "candidates", [m, s + 1], attrs={"axis": 1}, outs=2)
     ranked, ranked_idx = top.outputs
     ranked_idx.shape, ranked_idx.type = ir.Shape([m, s + 1]), ir.TensorType(i64)
@@ -225,12 +235,17 @@ def _rewrite(graph: ir.Graph, node: ir.Node, cfg: PassConfig) -> bool:
     graph.insert_before(node, choose)
     chosen = choose.outputs[0]
     chosen.name, chosen.shape, chosen.type = "lm_head_certified_logits", ir.Shape([m, v]), ir.TensorType(f32)
+    _finish(graph, node, chosen, op, const)
+    return True
+
+
+def _finish(graph: ir.Graph, node: ir.Node, logits: ir.Value, op, const) -> None:
+    """The checked [M, V] logits in the head's output shape, in place of the float head."""
     out_shape = shape_of(node.outputs[0])
-    y = op("Reshape", [chosen, const("shape." + "x".join(map(str, out_shape)), out_shape)], "logits",
+    y = op("Reshape", [logits, const("shape." + "x".join(map(str, out_shape)), out_shape)], "logits",
            out_shape).outputs[0]
     take_over(node.outputs[0], y, "float")
     graph.remove(node, safe=True)
-    return True
 
 
 @register("certified_lm_head")
@@ -249,6 +264,10 @@ class CertifiedLmHead(GraphPass):
         # int16 applies to graphs of up to kernel_rows rows; wider ones keep int8
         activations: Literal["int8", "int16"] = "int8"
         kernel_rows: int = 32
+        # the check after the first pass: standard ONNX nodes (TopK, Gathers, MatMuls, an If with the
+        # per-row float fallback), or mobc's CertifyArgmax doing the same in one call (needs the
+        # kernel library; SmolLM2's int16 decode step: README)
+        certificate: Literal["graph", "op"] = "graph"
 
     def rewrite(self, model: ir.Model) -> bool:
         node = _lm_head(model.graph)

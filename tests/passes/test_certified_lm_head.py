@@ -46,16 +46,26 @@ def _certified(arch: str, width: int = 4, activations: str = "int8"):
     return gs, feeds, float_logits
 
 
+# the check after the first pass: ONNX nodes around an If, or mobc's CertifyArgmax
+CERTIFICATES = ["graph", pytest.param("op", marks=pytest.mark.skipif(not kernels.available(),
+                                                                     reason="no C compiler for mobc's CPU kernels"))]
+CHECK_OP = {"graph": "If", "op": "CertifyArgmax"}
+
+
+@pytest.mark.parametrize("certificate", CERTIFICATES)
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied head; tied (Transpose of the embedding)
-def test_argmax_exact_through_the_pass_runner(arch, activations):
+def test_argmax_exact_through_the_pass_runner(arch, activations, certificate):
     gs, feeds = graphset_for(arch, (1, 4))
     _head_on_q8_0(gs)
-    out, rows = run_passes(gs, ["fold_constants", {"certified_lm_head": {"activations": activations}}], 1e-5, feeds)
+    config = {"activations": activations, "certificate": certificate}
+    out, rows = run_passes(gs, ["fold_constants", {"certified_lm_head": config}], 1e-5, feeds)
     for entry in out.entries.values():
         build("certified_lm_head").ensures(entry.model)
         ops = [n.op_type for n in entry.model.graph]
-        assert "If" in ops and FIRST_PASS[activations] in ops
+        assert CHECK_OP[certificate] in ops and FIRST_PASS[activations] in ops
+        if certificate == "op":
+            assert "TopK" not in ops and "If" not in ops
         heads = [n for n in entry.model.graph if linear_weight(n) is not None and linear_weight(n)[0].shape == (256, 64)]
         assert not heads  # no float MatMul over the [V, C] head remains
     assert rows[-1]["worst"]["diff"] < 1e-5  # at the argmax, where the contract is exact
@@ -183,4 +193,53 @@ def test_only_the_rows_whose_certificate_fails_get_the_float_head():
     for row in range(4):
         is_float = np.allclose(got[row], want[row], atol=1e-5)
         assert is_float == bool(failing[row]), row
+        assert got[row].argmax() == want[row].argmax()
+
+
+def _op_form(arch: str, width: int, activations: str = "int8"):
+    gs, feeds = graphset_for(arch, (width,))
+    _head_on_q8_0(gs)
+    for entry in gs.entries.values():
+        config = {"activations": activations, "certificate": "op"}
+        assert build({"certified_lm_head": config}).call(entry.model).modified
+    return gs, feeds
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler for mobc's CPU kernels")
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_op_gives_the_graph_forms_logits(arch, activations):
+    """Same ranking, candidates and decisions: the logits agree to float32 rounding of the rescoring."""
+    graph_form, feeds, float_logits = _certified(arch, 4, activations)
+    op_form, _ = _op_form(arch, 4, activations)
+    for fam, entry in op_form.entries.items():
+        got = ort_run(entry, feeds[fam])["logits"]
+        np.testing.assert_allclose(got, ort_run(graph_form.entries[fam], feeds[fam])["logits"], rtol=0, atol=1e-6)
+        assert (got.argmax(-1) == float_logits[fam].argmax(-1)).all()
+        assert np.abs(got - float_logits[fam]).max() > 1e-7  # the rounding head really ran
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler for mobc's CPU kernels")
+def test_the_op_gives_float_logits_to_exactly_the_rows_the_graph_form_fails():
+    """The graph form's margins (best rescored - rival) decide which rows fail under a pad between
+    the second and third smallest: the op must give those two rows, and only those, float logits."""
+    gs, feeds, float_logits = _certified("llama", 4)
+    entry, fam = next(iter(gs.entries.values())), next(iter(gs.entries))
+    graph = entry.model.graph
+    best, rival = _node(graph, "best").outputs[0].name, _node(graph, "rival").outputs[0].name
+    probe = dataclasses.replace(entry, name="probe", model=extract(entry.model, [i.name for i in graph.inputs],
+                                                                 [best, rival], "probe"))
+    out = ort_run(probe, feeds[fam])
+    margins = (out[best] - out[rival]).reshape(-1)
+    cut = float(np.sort(margins)[1:3].mean())
+    old = certified.BOUND_PAD
+    certified.BOUND_PAD = old + cut
+    try:
+        op_form, _ = _op_form("llama", 4)
+    finally:
+        certified.BOUND_PAD = old
+    got = ort_run(next(iter(op_form.entries.values())), feeds[fam])["logits"].reshape(4, -1)
+    want = float_logits[fam].reshape(4, -1)
+    for row in range(4):
+        assert np.allclose(got[row], want[row], atol=1e-5) == bool(margins[row] < cut), row
         assert got[row].argmax() == want[row].argmax()

@@ -117,7 +117,8 @@ def _refuse_mobc_ops(manifest: Manifest, folder: Path, families: tuple[str, ...]
                     f"{folder}: graph {record.file} uses mobc's own CPU op ({kernels.DOMAIN}), which "
                     "onnxruntime-genai does not load; bundle an artifact compiled without "
                     "`matmul_nbits: {kernel_rows: ...}`, `cache_attention`, `fuse_attention_prologue`, "
-                    "`fuse_silu_mul` and `certified_lm_head: {activations: int16}` (mobc run executes this one)")
+                    "`fuse_silu_mul` and `certified_lm_head: {activations: int16}` or `{certificate: op}` (mobc run "
+                    "executes this one)")
 
 
 def _external_files(path: Path) -> list[str]:

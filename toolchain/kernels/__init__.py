@@ -17,6 +17,8 @@ Domain `mobc.cpu`:
   CacheAttention over them in one op, emitting the call's new keys and values too
   (passes/fuse_attention_prologue.py).
 - `SiluMul`: a gated MLP's silu(gate) * up from the fused gate/up projection (passes/fuse_silu_mul.py).
+- `CertifyArgmax`: the certified lm_head's check (ranking, rescoring, bounds, float fallback per row)
+  in one call instead of a TopK, ~30 small nodes and an If (passes/certified_lm_head.py).
 
 The sources sit beside this file; the library is compiled once per source version with the system C
 compiler into $MOBC_CACHE/kernels/ (~1 s), the way llama-cpp-python compiles llama.cpp at install,
@@ -43,12 +45,12 @@ DOMAIN = "mobc.cpu"
 # float32 scales and offsets; 1 (column-major codes, float32 scales, block-major minimums) is refused
 OPSET = 2
 STALE_LAYOUT = "an artifact compiled before this layout needs recompiling"  # ort_ops.c says so
-OPS = ("MatMulQ4", "MatMulQ4I16", "MatMulQ8I16", "CacheAttention", "QKVCacheAttention", "SiluMul")
+OPS = ("MatMulQ4", "MatMulQ4I16", "MatMulQ8I16", "CacheAttention", "QKVCacheAttention", "SiluMul", "CertifyArgmax")
 BLOCK = 32
 GROUP = 4  # columns per group of the packed layout (MOBC_Q4_GROUP)
 MAX_K = 32768  # the longest row the op takes (MOBC_Q4_MAX_K in q4_matmul.h)
-SOURCES = ("q4_matmul.c", "q8_matmul.c", "cache_attention.c", "layer_ops.c", "ort_ops.c")
-HEADERS = ("q4_matmul.h", "q8_matmul.h", "cache_attention.h", "layer_ops.h", "vexp.h", "ort_abi.h")
+SOURCES = ("q4_matmul.c", "q8_matmul.c", "cache_attention.c", "layer_ops.c", "certificate.c", "ort_ops.c")
+HEADERS = ("q4_matmul.h", "q8_matmul.h", "cache_attention.h", "layer_ops.h", "certificate.h", "vexp.h", "ort_abi.h")
 LIBS = ("-lm",)  # after the sources, so the linker keeps them
 _HERE = Path(__file__).parent
 _lock = threading.Lock()
@@ -90,7 +92,7 @@ def _build(target: Path) -> None:
                                "one (Debian: apt install gcc) or set CC, or compile the recipe without the "
                                "passes that emit them (`matmul_nbits: {kernel_rows: ...}`, `cache_attention`, "
                                "`fuse_attention_prologue`, `fuse_silu_mul`, "
-                               "`certified_lm_head: {activations: int16}`)")
+                               "`certified_lm_head: {activations: int16}` or `{certificate: op}`)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name

@@ -17,12 +17,17 @@
  *   split into heads, queries and keys rotated (RoPE, halves layout), and CacheAttention over the
  *   past and the call's own keys (layer_ops.h).
  * SiluMul(x float[..., 2F]) -> y float[..., F]: silu(x[..., :F]) * x[..., F:] (layer_ops.h).
+ * CertifyArgmax(approx float[..., V], x float[..., C], table[V, C], token_bound[V, nb], worst_bound[nb],
+ *               settings[3] = (K, S, pad)) -> logits float[..., V]: the certified lm_head's check, each
+ *   row certified (approx with its K candidates' exact logits) or its float logits x . table^T
+ *   (certificate.h).
  * Work is shared out over onnxruntime's own intra-op thread pool. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cache_attention.h"
+#include "certificate.h"
 #include "layer_ops.h"
 #include "ort_abi.h"
 #include "q4_matmul.h"
@@ -451,6 +456,88 @@ static const char *silu_name(const OrtCustomOp *op) { (void)op; return "SiluMul"
 static size_t silu_input_count(const OrtCustomOp *op) { (void)op; return 1; }
 static const OrtCustomOp silu_op = CPU_OP(silu_name, float_input, silu_input_count, silu_compute_v1, silu_compute);
 
+/* ---- CertifyArgmax ---- */
+
+#define VOCAB_PER_TASK 1024  /* a failed row's float logits: vocabulary rows per task */
+
+typedef struct {
+    MobcCertificate c;
+    const float *approx, *x;
+    float *y;
+    unsigned char *scratch;
+    int *certified;
+    const int64_t *failed;  /* the rows to give float logits, for the fallback's tasks */
+} CertifyCall;
+
+static void certify_task(void *data, size_t row) {
+    const CertifyCall *k = (const CertifyCall *)data;
+    int64_t r = (int64_t)row;
+    k->certified[r] = mobc_certify_row(&k->c, k->x + r * k->c.C, k->approx + r * k->c.V, k->y + r * k->c.V,
+                                       k->scratch + (size_t)r * MOBC_CERTIFICATE_SCRATCH(k->c.S, k->c.K));
+}
+
+static void float_logits_task(void *data, size_t task) {
+    const CertifyCall *k = (const CertifyCall *)data;
+    int64_t chunks = (k->c.V + VOCAB_PER_TASK - 1) / VOCAB_PER_TASK, r = k->failed[(int64_t)task / chunks];
+    int64_t n0 = (int64_t)task % chunks * VOCAB_PER_TASK, n1 = n0 + VOCAB_PER_TASK < k->c.V ? n0 + VOCAB_PER_TASK : k->c.V;
+    mobc_certificate_float_logits(&k->c, k->x + r * k->c.C, k->y + r * k->c.V, n0, n1);
+}
+
+static OrtStatus *certify_compute(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    Tensor t[6];
+    CHECK(float_inputs(ctx, t, 6, "CertifyArgmax"));
+    Tensor *approx = &t[0], *x = &t[1], *table = &t[2], *token = &t[3], *worst = &t[4], *settings = &t[5];
+    if (approx->rank < 1 || x->rank < 1 || table->rank != 2 || token->rank != 2)
+        return fail("CertifyArgmax: approx and x need a last axis, table and token_bound rank 2 (ranks %lld, %lld)",
+                    (int64_t)approx->rank, (int64_t)table->rank);
+    int64_t V = table->dims[0], C = table->dims[1], nb = token->dims[1];
+    if (approx->dims[approx->rank - 1] != V || x->dims[x->rank - 1] != C || token->dims[0] != V)
+        return fail("CertifyArgmax: approx [..., V], x [..., C] and token_bound [V, nb] must match table [V, C] = "
+                    "[%lld, %lld]", V, C);
+    if (nb < 1 || C % nb || elements(worst) != nb)
+        return fail("CertifyArgmax: %lld blocks must divide C = %lld, one worst_bound per block", nb, C);
+    int64_t rows = elements(approx) / (V ? V : 1);
+    if (elements(x) != rows * C) return fail("CertifyArgmax: x holds %lld rows, approx %lld", elements(x) / (C ? C : 1), rows);
+    const float *set = (const float *)settings->data;
+    if (elements(settings) != 3 || set[0] != (float)(int64_t)set[0] || set[1] != (float)(int64_t)set[1] ||
+        set[0] < 1 || set[1] <= set[0] || set[1] >= (float)V)
+        return fail("CertifyArgmax: settings must be (K, S, pad) with 1 <= K < S < V = %lld (%lld values given)", V,
+                    elements(settings));
+    float *y = NULL;
+    CHECK(output(ctx, 0, approx->dims, approx->rank, &y));
+    if (rows == 0 || V == 0) return NULL;
+    CertifyCall call = {{table->data, token->data, worst->data, V, C, nb, (int64_t)set[0], (int64_t)set[1], set[2]},
+                        approx->data, x->data, y, NULL, NULL, NULL};
+    size_t per_row = MOBC_CERTIFICATE_SCRATCH(call.c.S, call.c.K);
+    unsigned char *scratch = malloc((size_t)rows * (per_row + sizeof(int) + sizeof(int64_t)));
+    if (scratch == NULL) return fail("CertifyArgmax: out of memory for %lld rows of S = %lld", rows, call.c.S);
+    call.scratch = scratch;
+    call.certified = (int *)(scratch + (size_t)rows * per_row);
+    int64_t *failed = (int64_t *)(call.certified + rows);
+    OrtStatus *st = NULL;
+    if (rows == 1)  /* a decode step's one row: no task to hand out */
+        certify_task(&call, 0);
+    else
+        st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, certify_task, (size_t)rows, 0, &call);
+    int64_t n_failed = 0;
+    for (int64_t r = 0; st == NULL && r < rows; r++)
+        if (!call.certified[r]) failed[n_failed++] = r;
+    if (st == NULL && n_failed) {
+        call.failed = failed;
+        size_t chunks = (size_t)((V + VOCAB_PER_TASK - 1) / VOCAB_PER_TASK);
+        st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, float_logits_task, (size_t)n_failed * chunks, 0, &call);
+    }
+    free(scratch);
+    return st;
+}
+
+static void certify_compute_v1(void *kernel, OrtKernelContext *ctx) { (void)certify_compute(kernel, ctx); }
+static const char *certify_name(const OrtCustomOp *op) { (void)op; return "CertifyArgmax"; }
+static size_t certify_input_count(const OrtCustomOp *op) { (void)op; return 6; }
+static const OrtCustomOp certify_op =
+    CPU_OP(certify_name, float_input, certify_input_count, certify_compute_v1, certify_compute);
+
 /* ---- registration ---- */
 
 /* onnxruntime calls this when a session's options register the library. The domain is made once
@@ -469,6 +556,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &attention_op));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &qkv_attention_op));
         CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &silu_op));
+        CHECK(API(CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &certify_op));
     }
     return API(AddCustomOpDomain, AddCustomOpDomainFn)(options, domain);
 }
