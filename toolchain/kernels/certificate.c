@@ -42,31 +42,84 @@ static void sift_up(Ranked *h, int64_t i) {
     }
 }
 
-static int best_first(const void *pa, const void *pb) {
-    Ranked a = *(const Ranked *)pa, b = *(const Ranked *)pb;
-    return below(b, a) ? -1 : below(a, b) ? 1 : 0;
+/* a value beats the heap's lowest-ranked entry: it takes that entry's place */
+static inline void offer(Ranked *h, int64_t n, float x, int64_t j) {
+    if (x > h[0].value) { /* an equal value has a higher index than every entry: it ranks below */
+        h[0] = (Ranked){x, (int32_t)j};
+        sift_down(h, n, 0);
+    }
 }
 
-/* the n best of v[0..V) in rank order into out[0..n); 0 when v holds a NaN (no order exists) */
-static int rank_best(const float *v, int64_t V, int64_t n, Ranked *out) {
-    int64_t size = 0;
-    for (int64_t j = 0; j < V; j++) {
-        float x = v[j];
-        if (x != x) return 0;
-        if (size < n) {
-            out[size] = (Ranked){x, (int32_t)j};
-            sift_up(out, size++);
-        } else if (x > out[0].value) { /* an equal value has a higher index than every entry: it ranks below */
-            out[0] = (Ranked){x, (int32_t)j};
-            sift_down(out, n, 0);
+int mobc_q4_vectorized(void);
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+/* v[j0..V) offered eight at a time: a vector compare against the heap's lowest value skips the
+ * eight values that cannot enter (almost all of them once the heap holds good ones); 0 on a NaN */
+__attribute__((target("avx2,fma"))) static int offer_avx2(const float *v, int64_t V, int64_t j0, Ranked *h, int64_t n) {
+    __m256 nan = _mm256_setzero_ps();
+    int64_t j = j0;
+    for (; j + 8 <= V; j += 8) {
+        __m256 x = _mm256_loadu_ps(v + j);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        int hits = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(h[0].value), _CMP_GT_OQ));
+        while (hits) {
+            int k = __builtin_ctz(hits);
+            hits &= hits - 1;
+            offer(h, n, v[j + k], j + k);
         }
     }
-    qsort(out, (size_t)n, sizeof(Ranked), best_first);
+    if (_mm256_movemask_ps(nan)) return 0;
+    for (; j < V; j++) {
+        if (v[j] != v[j]) return 0;
+        offer(h, n, v[j], j);
+    }
+    return 1;
+}
+#endif
+
+/* the n best of v[0..V) as a min-heap (h[0] the n-th best); 0 when v holds a NaN (no order exists) */
+static int rank_best(const float *v, int64_t V, int64_t n, Ranked *h) {
+    int64_t j = 0;
+    for (; j < n; j++) {
+        if (v[j] != v[j]) return 0;
+        h[j] = (Ranked){v[j], (int32_t)j};
+        sift_up(h, j);
+    }
+#if defined(__x86_64__) || defined(_M_X64)
+    if (mobc_q4_vectorized()) return offer_avx2(v, V, j, h, n);
+#endif
+    for (; j < V; j++) {
+        if (v[j] != v[j]) return 0;
+        offer(h, n, v[j], j);
+    }
     return 1;
 }
 
+/* reorders e[0..n) so that its k best come first (in no particular order): quickselect */
+static void best_first(Ranked *e, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        Ranked pivot = e[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) { /* Hoare partition: better than the pivot to the left */
+            while (below(pivot, e[i])) i++;
+            while (below(e[j], pivot)) j--;
+            if (i <= j) {
+                Ranked t = e[i];
+                e[i++] = e[j], e[j--] = t;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else return;
+    }
+}
+
+
 /* x . row over C floats: eight partial sums (independent chains), added pairwise at the end */
-static inline float dot(const float *x, const float *row, int64_t C) {
+static float dot_portable(const float *x, const float *row, int64_t C) {
     float s[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= C; i += 8)
@@ -75,12 +128,44 @@ static inline float dot(const float *x, const float *row, int64_t C) {
     return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+/* the same on AVX2: four 8-lane sums, the tail in plain C */
+__attribute__((target("avx2,fma"))) static float dot_avx2(const float *x, const float *row, int64_t C) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= C; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(row + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(row + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(row + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(row + i + 24), a3);
+    }
+    for (; i + 8 <= C; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(row + i), a0);
+    __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float t = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    for (; i < C; i++) t += x[i] * row[i];
+    return t;
+}
+#endif
+
+static inline float dot(const float *x, const float *row, int64_t C) {
+#if defined(__x86_64__) || defined(_M_X64)
+    if (mobc_q4_vectorized()) return dot_avx2(x, row, C);
+#endif
+    return dot_portable(x, row, C);
+}
+
 int mobc_certify_row(const MobcCertificate *c, const float *x, const float *approx, float *y, void *scratch) {
     const int64_t V = c->V, C = c->C, nb = c->nb, K = c->K, S = c->S, block = C / nb;
-    Ranked *ranked = (Ranked *)scratch;
-    float *exact = (float *)(ranked + S + 1);
+    Ranked *heap = (Ranked *)scratch;
+    float *exact = (float *)(heap + S + 1);
     memcpy(y, approx, sizeof(float) * (size_t)V);
-    if (!rank_best(approx, V, S + 1, ranked)) return 0;
+    if (!rank_best(approx, V, S + 1, heap)) return 0;
+    /* the heap's top is rank S; of the S entries above it the K best first: ranks 0..K-1 as a set
+     * (only their best exact value counts), K..S-1 the screened ones */
+    const Ranked last = heap[0], *ranked = heap + 1;
+    best_first(heap + 1, S, K);
     float best = -INFINITY;
     for (int64_t k = 0; k < K; k++) {
         exact[k] = dot(x, c->table + (int64_t)ranked[k].index * C, C);
@@ -105,13 +190,17 @@ int mobc_certify_row(const MobcCertificate *c, const float *x, const float *appr
     }
     float row_bound = 0.0f; /* every token outside the S best: at most the S-th value plus the widest bound */
     for (int64_t b = 0; b < nb; b++) row_bound += c->worst_bound[b] * amax[b];
-    float rest = ranked[S].value + row_bound;
+    float rest = last.value + row_bound;
     rival = (rest > rival ? rest : rival) + c->pad;
     if (!(rival < best)) return 0; /* also false when anything above was NaN */
     for (int64_t k = 0; k < K; k++) y[ranked[k].index] = exact[k];
     return 1;
 }
 
-void mobc_certificate_float_logits(const MobcCertificate *c, const float *x, float *y, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) y[n] = dot(x, c->table + n * c->C, c->C);
+void mobc_certificate_float_logits(const MobcCertificate *c, const float *x, float *y, const int64_t *rows,
+                                   int64_t n_rows, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const float *t = c->table + n * c->C;  /* read once from memory for every row that needs it */
+        for (int64_t k = 0; k < n_rows; k++) y[rows[k] * c->V + n] = dot(x + rows[k] * c->C, t, c->C);
+    }
 }

@@ -28,7 +28,9 @@ typedef struct {
  * float logits (y then holds approx) */
 int mobc_certify_row(const MobcCertificate *c, const float *x, const float *approx, float *y, void *scratch);
 
-/* y[n] = x . table[n] for n in [n0, n1): a failed row's float logits */
-void mobc_certificate_float_logits(const MobcCertificate *c, const float *x, float *y, int64_t n0, int64_t n1);
+/* y[r, n] = x[r] . table[n] for n in [n0, n1) and each of the n_rows rows r listed: the failed rows'
+ * float logits, the table's rows read once for all of them (x [.., C] and y [.., V] row-major) */
+void mobc_certificate_float_logits(const MobcCertificate *c, const float *x, float *y, const int64_t *rows,
+                                   int64_t n_rows, int64_t n0, int64_t n1);
 
 #endif

@@ -458,7 +458,9 @@ static const OrtCustomOp silu_op = CPU_OP(silu_name, float_input, silu_input_cou
 
 /* ---- CertifyArgmax ---- */
 
-#define VOCAB_PER_TASK 1024  /* a failed row's float logits: vocabulary rows per task */
+/* the failed rows' float logits: vocabulary rows per task, each read once for all of those rows (a
+ * 128-row prompt window fails a few; SmolLM2: 256 rows of the float table are 576 KB, within L2) */
+#define VOCAB_PER_TASK 256
 
 typedef struct {
     MobcCertificate c;
@@ -467,6 +469,7 @@ typedef struct {
     unsigned char *scratch;
     int *certified;
     const int64_t *failed;  /* the rows to give float logits, for the fallback's tasks */
+    int64_t n_failed;
 } CertifyCall;
 
 static void certify_task(void *data, size_t row) {
@@ -478,9 +481,8 @@ static void certify_task(void *data, size_t row) {
 
 static void float_logits_task(void *data, size_t task) {
     const CertifyCall *k = (const CertifyCall *)data;
-    int64_t chunks = (k->c.V + VOCAB_PER_TASK - 1) / VOCAB_PER_TASK, r = k->failed[(int64_t)task / chunks];
-    int64_t n0 = (int64_t)task % chunks * VOCAB_PER_TASK, n1 = n0 + VOCAB_PER_TASK < k->c.V ? n0 + VOCAB_PER_TASK : k->c.V;
-    mobc_certificate_float_logits(&k->c, k->x + r * k->c.C, k->y + r * k->c.V, n0, n1);
+    int64_t n0 = (int64_t)task * VOCAB_PER_TASK, n1 = n0 + VOCAB_PER_TASK < k->c.V ? n0 + VOCAB_PER_TASK : k->c.V;
+    mobc_certificate_float_logits(&k->c, k->x, k->y, k->failed, k->n_failed, n0, n1);
 }
 
 static OrtStatus *certify_compute(void *kernel, OrtKernelContext *ctx) {
@@ -508,7 +510,7 @@ static OrtStatus *certify_compute(void *kernel, OrtKernelContext *ctx) {
     CHECK(output(ctx, 0, approx->dims, approx->rank, &y));
     if (rows == 0 || V == 0) return NULL;
     CertifyCall call = {{table->data, token->data, worst->data, V, C, nb, (int64_t)set[0], (int64_t)set[1], set[2]},
-                        approx->data, x->data, y, NULL, NULL, NULL};
+                        approx->data, x->data, y, NULL, NULL, NULL, 0};
     size_t per_row = MOBC_CERTIFICATE_SCRATCH(call.c.S, call.c.K);
     unsigned char *scratch = malloc((size_t)rows * (per_row + sizeof(int) + sizeof(int64_t)));
     if (scratch == NULL) return fail("CertifyArgmax: out of memory for %lld rows of S = %lld", rows, call.c.S);
@@ -524,9 +526,9 @@ static OrtStatus *certify_compute(void *kernel, OrtKernelContext *ctx) {
     for (int64_t r = 0; st == NULL && r < rows; r++)
         if (!call.certified[r]) failed[n_failed++] = r;
     if (st == NULL && n_failed) {
-        call.failed = failed;
+        call.failed = failed, call.n_failed = n_failed;
         size_t chunks = (size_t)((V + VOCAB_PER_TASK - 1) / VOCAB_PER_TASK);
-        st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, float_logits_task, (size_t)n_failed * chunks, 0, &call);
+        st = API(KernelContext_ParallelFor, ParallelForFn)(ctx, float_logits_task, chunks, 0, &call);
     }
     free(scratch);
     return st;
