@@ -9,7 +9,10 @@ so every call copies the whole cache of every layer (SmolLM2 decode, CL=512: 2 x
 which is the same in real arithmetic (each score is the same dot product; o's sum over the CL slots
 is split in two). What is concatenated is then the score matrix, Hq*N*CL floats instead of
 2*Hkv*D*CL: that is smaller only for narrow graphs, so the pass rewrites a layer only when
-N*Hq < 2*Hkv*D (SmolLM2: N < 42; decode and tree widths, not a 128-row prefill).
+N*Hq < 2*Hkv*D (SmolLM2: N < 42; decode and tree widths, not a 128-row prefill). With
+`every_width: true` it rewrites every width: for a recipe whose cache_attention then takes each
+layer's attention over as one op, the score matrix is never materialized and the rule's reason is gone
+(SmolLM2's 128-row prefill then attends through CacheAttention: README).
 
 A CPU pass: NPU compilers place the cache themselves (the HTP graphs keep the Concat form).
 Requires: attention as the exporter writes it (the two Concats feed one MatMul each, on its second
@@ -22,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from passes.base import GraphPass
+from passes.base import GraphPass, PassConfig
 from passes.registry import register
 from toolchain.ir.graph import add_initializer, new_node, remove_unused, scope, shape_of
 
@@ -121,8 +124,14 @@ def _i64(values: list[int]) -> np.ndarray:
 class AttendPastInPlace(GraphPass):
     runs_before = ("check_htp",)
 
+    class Config(PassConfig):
+        every_width: bool = False  # also where joining the scores costs more than joining the cache
+
+    def _wanted(self, match: dict) -> bool:
+        return self.config.every_width or worth_it(match)
+
     def rewrite(self, model: ir.Model) -> bool:
-        matches = [m for m in find_attention(model.graph) if worth_it(m)]
+        matches = [m for m in find_attention(model.graph) if self._wanted(m)]
         for m in matches:
             _rewrite(model.graph, m)
         if matches:
@@ -130,6 +139,6 @@ class AttendPastInPlace(GraphPass):
         return bool(matches)
 
     def ensures(self, model: ir.Model) -> None:
-        left = [m["layer"] for m in find_attention(model.graph) if worth_it(m)]
+        left = [m["layer"] for m in find_attention(model.graph) if self._wanted(m)]
         if left:
             raise AssertionError(f"layers {left} still concatenate their past K/V before attending")

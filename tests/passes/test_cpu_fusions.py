@@ -105,6 +105,14 @@ def test_attend_past_in_place_keeps_wide_graphs():
     assert not build("attend_past_in_place")(model).modified
 
 
+def test_attend_past_in_place_every_width_rewrites_wide_graphs_too():
+    """The same 16-row graph with `every_width` (for recipes whose cache_attention takes the layer over
+    next): every layer rewritten, numbers kept (checked end to end in test_layer_fusions)."""
+    layout, model = tiny("llama", 16)
+    assert build({"attend_past_in_place": {"every_width": True}})(model).modified
+    assert sum(1 for n in model.graph if n.name.endswith("/attend_past")) == layout.n_layers
+
+
 def test_check_htp_refuses_the_cpu_form():
     from toolchain.errors import PassError
 

@@ -37,6 +37,17 @@ def _run(model, layout):
     return ort_run(entry, feeds_for(layout))
 
 
+def test_a_wide_graph_attends_through_the_fused_op_with_every_width():
+    """A 16-row graph (a prefill's shape: wider than attend_past_in_place's rule admits) with
+    `every_width`: each layer ends as one QKVCacheAttention and the numbers hold."""
+    gs, feeds = graphset_for("llama", (16,))
+    passes = [{"attend_past_in_place": {"every_width": True}} if p == "attend_past_in_place" else p for p in BEFORE]
+    out, rows = run_passes(gs, [*passes, "fuse_attention_prologue"], 1e-4, feeds)
+    model = next(iter(out.entries.values())).model
+    assert _ops(model).count("QKVCacheAttention") == tiny("llama", 16)[0].n_layers
+    assert all(r["worst"]["diff"] < 1e-5 for r in rows)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the fused projection carries biases
 def test_every_layer_fuses_and_numerics_hold(arch):
     gs, feeds = graphset_for(arch, (1, 4))
