@@ -80,7 +80,7 @@ __attribute__((target("avx2,fma"))) static int offer_avx2(const float *v, int64_
 #endif
 
 /* the n best of v[0..V) as a min-heap (h[0] the n-th best); 0 when v holds a NaN (no order exists) */
-static int rank_best(const float *v, int64_t V, int64_t n, Ranked *h) {
+static int rank_best(const float *v, int64_t V, int64_t n, Ranked *h, int vectorized) {
     int64_t j = 0;
     for (; j < n; j++) {
         if (v[j] != v[j]) return 0;
@@ -88,7 +88,7 @@ static int rank_best(const float *v, int64_t V, int64_t n, Ranked *h) {
         sift_up(h, j);
     }
 #if defined(__x86_64__) || defined(_M_X64)
-    if (mobc_q4_vectorized()) return offer_avx2(v, V, j, h, n);
+    if (vectorized) return offer_avx2(v, V, j, h, n);
 #endif
     for (; j < V; j++) {
         if (v[j] != v[j]) return 0;
@@ -149,26 +149,28 @@ __attribute__((target("avx2,fma"))) static float dot_avx2(const float *x, const 
 }
 #endif
 
-static inline float dot(const float *x, const float *row, int64_t C) {
+static inline float dot(const float *x, const float *row, int64_t C, int vectorized) {
 #if defined(__x86_64__) || defined(_M_X64)
-    if (mobc_q4_vectorized()) return dot_avx2(x, row, C);
+    if (vectorized) return dot_avx2(x, row, C);
 #endif
     return dot_portable(x, row, C);
 }
 
-int mobc_certify_row(const MobcCertificate *c, const float *x, const float *approx, float *y, void *scratch) {
+/* vectorized: the AVX2 scan and dots (only where the CPU has them), else plain C */
+static int certify_row(const MobcCertificate *c, const float *x, const float *approx, float *y, void *scratch,
+                       int vectorized) {
     const int64_t V = c->V, C = c->C, nb = c->nb, K = c->K, S = c->S, block = C / nb;
     Ranked *heap = (Ranked *)scratch;
     float *exact = (float *)(heap + S + 1);
     memcpy(y, approx, sizeof(float) * (size_t)V);
-    if (!rank_best(approx, V, S + 1, heap)) return 0;
+    if (!rank_best(approx, V, S + 1, heap, vectorized)) return 0;
     /* the heap's top is rank S; of the S entries above it the K best first: ranks 0..K-1 as a set
      * (only their best exact value counts), K..S-1 the screened ones */
     const Ranked last = heap[0], *ranked = heap + 1;
     best_first(heap + 1, S, K);
     float best = -INFINITY;
     for (int64_t k = 0; k < K; k++) {
-        exact[k] = dot(x, c->table + (int64_t)ranked[k].index * C, C);
+        exact[k] = dot(x, c->table + (int64_t)ranked[k].index * C, C, vectorized);
         best = exact[k] > best ? exact[k] : best;
     }
     float amax[nb > 0 ? nb : 1];
@@ -197,10 +199,19 @@ int mobc_certify_row(const MobcCertificate *c, const float *x, const float *appr
     return 1;
 }
 
+int mobc_certify_row(const MobcCertificate *c, const float *x, const float *approx, float *y, void *scratch) {
+    return certify_row(c, x, approx, y, scratch, mobc_q4_vectorized());
+}
+
+int mobc_certify_row_portable(const MobcCertificate *c, const float *x, const float *approx, float *y, void *scratch) {
+    return certify_row(c, x, approx, y, scratch, 0);
+}
+
 void mobc_certificate_float_logits(const MobcCertificate *c, const float *x, float *y, const int64_t *rows,
                                    int64_t n_rows, int64_t n0, int64_t n1) {
+    int vectorized = mobc_q4_vectorized();
     for (int64_t n = n0; n < n1; n++) {
         const float *t = c->table + n * c->C;  /* read once from memory for every row that needs it */
-        for (int64_t k = 0; k < n_rows; k++) y[rows[k] * c->V + n] = dot(x + rows[k] * c->C, t, c->C);
+        for (int64_t k = 0; k < n_rows; k++) y[rows[k] * c->V + n] = dot(x + rows[k] * c->C, t, c->C, vectorized);
     }
 }

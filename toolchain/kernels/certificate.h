@@ -27,6 +27,8 @@ typedef struct {
 /* y = approx, certified: returns 1 with the candidates' exact logits in y, 0 when the row needs its
  * float logits (y then holds approx) */
 int mobc_certify_row(const MobcCertificate *c, const float *x, const float *approx, float *y, void *scratch);
+/* the same in plain C (what a CPU without AVX2 runs; tests compare the two) */
+int mobc_certify_row_portable(const MobcCertificate *c, const float *x, const float *approx, float *y, void *scratch);
 
 /* y[r, n] = x[r] . table[n] for n in [n0, n1) and each of the n_rows rows r listed: the failed rows'
  * float logits, the table's rows read once for all of them (x [.., C] and y [.., V] row-major) */

@@ -5,6 +5,8 @@ given its float logits over the whole vocabulary."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -127,3 +129,39 @@ def test_a_token_past_the_screened_ones_is_covered_by_the_widest_bound():
     got = _run(sess, approx, x, table, token_bound, token_bound.max(0), 4, 20, 1e-3)[0]
     assert got.argmax() == winner
     np.testing.assert_allclose(got, table @ x[0], rtol=1e-5, atol=1e-5)
+
+
+class _Certificate(ctypes.Structure):
+    _fields_ = [("table", ctypes.c_void_p), ("token_bound", ctypes.c_void_p), ("worst_bound", ctypes.c_void_p),
+                ("V", ctypes.c_int64), ("C", ctypes.c_int64), ("nb", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("S", ctypes.c_int64), ("pad", ctypes.c_float)]
+
+
+def test_the_plain_c_path_decides_as_the_vectorized_one():
+    """What a CPU without AVX2 runs (the scan and the dots in plain C) against what this one runs:
+    the same rows certified, the same candidates rescored, logits within float32 rounding."""
+    lib = ctypes.CDLL(str(kernels.library()))
+    rng = np.random.default_rng(5)
+    k, s = 8, 40
+    decided = set()
+    for pad in (1e-3, 0.5, 1e9):
+        approx, x, table, token_bound, worst = _case(rng, rows=5)
+        approx[4, 3] = np.nan  # a NaN row: refused by both
+        spec = _Certificate(table.ctypes.data, token_bound.ctypes.data, worst.ctypes.data, table.shape[0],
+                            table.shape[1], worst.size, k, s, pad)
+        scratch = np.zeros((s + 1) * 8 + k * 4, np.uint8)
+        for row in range(len(x)):
+            got = {}
+            for name in ("mobc_certify_row", "mobc_certify_row_portable"):
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = [ctypes.POINTER(_Certificate)] + [ctypes.c_void_p] * 4, ctypes.c_int
+                y = np.empty_like(approx[row])
+                ok = fn(ctypes.byref(spec), x[row].ctypes.data, approx[row].ctypes.data, y.ctypes.data, scratch.ctypes.data)
+                got[name] = (ok, y)
+            (ok_v, y_v), (ok_p, y_p) = got.values()
+            assert ok_v == ok_p, (pad, row)
+            decided.add(ok_v)
+            changed = np.flatnonzero(~((y_v == approx[row]) | np.isnan(approx[row])))
+            assert np.array_equal(changed, np.flatnonzero(~((y_p == approx[row]) | np.isnan(approx[row]))))
+            np.testing.assert_allclose(y_p, y_v, rtol=1e-6, atol=1e-6)
+    assert decided == {0, 1}
