@@ -117,7 +117,6 @@ static void best_first(Ranked *e, int64_t n, int64_t k) {
     }
 }
 
-
 /* x . row over C floats: eight partial sums (independent chains), added pairwise at the end */
 static float dot_portable(const float *x, const float *row, int64_t C) {
     float s[8] = {0};

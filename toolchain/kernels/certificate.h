@@ -21,8 +21,9 @@ typedef struct {
     float pad;
 } MobcCertificate;
 
-/* scratch one row's check needs: (S + 1) ranked entries and K exact values */
-#define MOBC_CERTIFICATE_SCRATCH(S, K) ((size_t)((S) + 1) * 8 + (size_t)(K) * 4)
+/* scratch bytes one row's check needs: (S + 1) ranked entries and K exact values, rounded up to 8 so
+ * rows laid out one after another (and int64 data after them) stay aligned */
+#define MOBC_CERTIFICATE_SCRATCH(S, K) ((size_t)((S) + 1) * 8 + ((size_t)(K) * 4 + 7) / 8 * 8)
 
 /* y = approx, certified: returns 1 with the candidates' exact logits in y, 0 when the row needs its
  * float logits (y then holds approx) */

@@ -512,11 +512,11 @@ static OrtStatus *certify_compute(void *kernel, OrtKernelContext *ctx) {
     CertifyCall call = {{table->data, token->data, worst->data, V, C, nb, (int64_t)set[0], (int64_t)set[1], set[2]},
                         approx->data, x->data, y, NULL, NULL, NULL, 0};
     size_t per_row = MOBC_CERTIFICATE_SCRATCH(call.c.S, call.c.K);
-    unsigned char *scratch = malloc((size_t)rows * (per_row + sizeof(int) + sizeof(int64_t)));
+    unsigned char *scratch = malloc((size_t)rows * (per_row + sizeof(int64_t) + sizeof(int)));
     if (scratch == NULL) return fail("CertifyArgmax: out of memory for %lld rows of S = %lld", rows, call.c.S);
     call.scratch = scratch;
-    call.certified = (int *)(scratch + (size_t)rows * per_row);
-    int64_t *failed = (int64_t *)(call.certified + rows);
+    int64_t *failed = (int64_t *)(scratch + (size_t)rows * per_row);  /* per_row is a multiple of 8 */
+    call.certified = (int *)(failed + rows);
     OrtStatus *st = NULL;
     if (rows == 1)  /* a decode step's one row: no task to hand out */
         certify_task(&call, 0);

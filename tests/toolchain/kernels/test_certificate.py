@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from toolchain import kernels
+from toolchain.runtime.sessions import session_options
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler for mobc's CPU kernels")
 
@@ -25,10 +26,7 @@ def _session() -> ort.InferenceSession:
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    kernels.register(so)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), session_options(2), providers=["CPUExecutionProvider"])
 
 
 def _reference(approx, x, table, token_bound, worst, k, s, pad):
@@ -141,6 +139,9 @@ def test_the_plain_c_path_decides_as_the_vectorized_one():
     """What a CPU without AVX2 runs (the scan and the dots in plain C) against what this one runs:
     the same rows certified, the same candidates rescored, logits within float32 rounding."""
     lib = ctypes.CDLL(str(kernels.library()))
+    paths = [getattr(lib, name) for name in ("mobc_certify_row", "mobc_certify_row_portable")]
+    for fn in paths:
+        fn.argtypes, fn.restype = [ctypes.POINTER(_Certificate)] + [ctypes.c_void_p] * 4, ctypes.c_int
     rng = np.random.default_rng(5)
     k, s = 8, 40
     decided = set()
@@ -151,14 +152,12 @@ def test_the_plain_c_path_decides_as_the_vectorized_one():
                             table.shape[1], worst.size, k, s, pad)
         scratch = np.zeros((s + 1) * 8 + k * 4, np.uint8)
         for row in range(len(x)):
-            got = {}
-            for name in ("mobc_certify_row", "mobc_certify_row_portable"):
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = [ctypes.POINTER(_Certificate)] + [ctypes.c_void_p] * 4, ctypes.c_int
+            got = []
+            for fn in paths:
                 y = np.empty_like(approx[row])
                 ok = fn(ctypes.byref(spec), x[row].ctypes.data, approx[row].ctypes.data, y.ctypes.data, scratch.ctypes.data)
-                got[name] = (ok, y)
-            (ok_v, y_v), (ok_p, y_p) = got.values()
+                got.append((ok, y))
+            (ok_v, y_v), (ok_p, y_p) = got
             assert ok_v == ok_p, (pad, row)
             decided.add(ok_v)
             changed = np.flatnonzero(~((y_v == approx[row]) | np.isnan(approx[row])))
