@@ -39,13 +39,18 @@ def train_draft(
                                            "target's answers to app prompts (on-policy data; default 0.2)"),
     self_chat: int | None = typer.Option(None, "--self-chat", help="head: most chat requests the target writes "
                                          "itself and answers (default 192)"),
+    onpolicy_cache: Path | None = typer.Option(None, "--onpolicy-cache", help="head: file keeping the target's "
+                                               "generated windows; a rerun with the same settings reads them instead "
+                                               "of generating (most of a run's budget) and trains longer"),
+    unroll: int | None = typer.Option(None, "--unroll", help="head: passes over each window, each continuing "
+                                      "from the head's own features (default 2; 1: no unrolling)"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""
     from toolchain.compile.recipe import load_recipe
 
     if kind == "head":
-        _train_head(recipe, out, minutes, seed, app_share, self_chat)
+        _train_head(recipe, out, minutes, seed, app_share, self_chat, onpolicy_cache, unroll)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -72,14 +77,17 @@ def train_draft(
 
 
 def _train_head(recipe: Path, out: Path, minutes: float | None, seed: int, app_share: float | None,
-                self_chat: int | None) -> None:
+                self_chat: int | None, onpolicy_cache: Path | None, unroll: int | None) -> None:
     from toolchain.train.head import HEAD_FILE, HELD_OUT_SETS, HeadConfig, train_head
 
-    given = {"minutes": minutes, "app_share": app_share, "self_chat": self_chat}
+    given = {"minutes": minutes, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
+             "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None}
     cfg = HeadConfig(seed=seed, **{k: v for k, v in given.items() if v is not None})
     if not 0.0 < cfg.app_share < 0.6:
         raise MobcError(f"--app-share {cfg.app_share}: give a share of the budget between 0 and 0.6 (the teacher "
                         "pass and the training need the rest)")
+    if not 1 <= cfg.unroll <= 4:
+        raise MobcError(f"--unroll {cfg.unroll}: give 1 to 4 passes (each costs a full pass over the batch)")
     if cfg.self_chat < 0:
         raise MobcError(f"--self-chat {cfg.self_chat}: give a count >= 0")
     report = train_head(recipe, out, cfg, log=log)

@@ -64,6 +64,7 @@ class HeadConfig:
     prompt_len: int = 64
     gamma: int = 4
     seed: int = 0
+    onpolicy_cache: str | None = None  # file keeping the generated windows for reruns (cached_onpolicy)
 
 
 def draft_vocabulary(streams: list[np.ndarray], size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -127,6 +128,59 @@ def chain_acceptance(head: DraftHead, windows: torch.Tensor, states: torch.Tenso
     return {"tokens_per_call": 1 + acc.mean().item(), "accept_at_depth": depth, "rounds": int(acc.numel())}
 
 
+def onpolicy_data(target: Any, tok: Any, train: np.ndarray, held: np.ndarray, cfg: HeadConfig,
+                  budget: float) -> dict[str, Any]:
+    """The target's own greedy text: continuations of stdlib windows and answers to app prompts (the
+    training's on-policy windows), and the held-out sets' windows, each generation within its budget share."""
+    gen = target_continuations(target, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed,
+                               seconds=budget * 0.25)
+    gen_held = target_continuations(target, held, cfg.held_out_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed + 1)
+    requests = onpolicy.self_chat_requests(target, tok, cfg.self_chat + cfg.held_out_windows, cfg.seed,
+                                           seconds=budget * cfg.self_chat_share)
+    prompts = onpolicy.app_prompts(tok, cfg.app_chat_prompts, cfg.seed, requests[cfg.held_out_windows:])
+    pad = tok.eos_token_id or 0
+    app = onpolicy.prompt_continuations(target, prompts[cfg.held_out_windows:], cfg.seq_len, cfg.prompt_len,
+                                        cfg.answer_batch, budget * cfg.app_share, pad_id=pad)
+    held_prompts = {"app": prompts[: cfg.held_out_windows],
+                    "chat": [encode(tok, ChatPrompt(r)) for r in requests[: cfg.held_out_windows]]}
+    held_sets = {k: onpolicy.prompt_continuations(target, v, cfg.seq_len, cfg.prompt_len, cfg.answer_batch,
+                                                  float("inf"), pad_id=pad) for k, v in held_prompts.items() if v}
+    return {"gen": gen, "gen_held": gen_held, "app": app, "requests": requests, "held_sets": held_sets}
+
+
+# the settings that decide which text the generation writes (the time shares only decide how much)
+CACHE_KEYS = ("seq_len", "prompt_len", "seed", "held_out_windows", "generated_windows", "app_chat_prompts")
+
+
+def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
+                    generate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`generate()`'s windows, read from `cfg.onpolicy_cache` when that file holds this target's windows for
+    these settings (generation is most of a run's budget: a rerun then spends it on training), else
+    generated and written there. A file for another target or other settings is refused, not overwritten."""
+    if not cfg.onpolicy_cache:
+        return generate()
+    path = Path(cfg.onpolicy_cache)
+    key = {"target": target, **{k: getattr(cfg, k) for k in CACHE_KEYS}}
+    if path.is_file():
+        try:
+            saved = torch.load(path, weights_only=True)
+        except Exception as exc:
+            raise DraftTrainError(f"--onpolicy-cache {path}: not a cache this command wrote ({type(exc).__name__}); "
+                                  "delete it or give another path") from exc
+        if saved.get("key") != key:
+            diff = {k: saved.get("key", {}).get(k) for k in key if saved.get("key", {}).get(k) != key[k]}
+            raise DraftTrainError(f"--onpolicy-cache {path} holds windows generated with other settings {diff} "
+                                  f"(this run: { {k: key[k] for k in diff} }); delete it or give another path")
+        log(f"on-policy windows read from {path} ({len(saved['app'])} answer windows; generation skipped)")
+        return {k: v for k, v in saved.items() if k != "key"}
+    data = generate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")  # a run stopped mid-write leaves no cache that looks complete
+    torch.save({"key": key, **data}, tmp)
+    tmp.replace(path)
+    return data
+
+
 def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     from toolchain.compile.recipe import load_recipe
     from toolchain.compile.source import load
@@ -142,19 +196,9 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     tok = loaded.tokenizer
     train, held = corpus.train_and_held_out(tok, cfg.corpus_tokens, cfg.seq_len * 8, cfg.seed)
     w_train = token_windows(train, cfg.seq_len)
-    gen = target_continuations(target, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed,
-                               seconds=budget * 0.25)
-    gen_held = target_continuations(target, held, cfg.held_out_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed + 1)
-    requests = onpolicy.self_chat_requests(target, tok, cfg.self_chat + cfg.held_out_windows, cfg.seed,
-                                           seconds=budget * cfg.self_chat_share)
-    prompts = onpolicy.app_prompts(tok, cfg.app_chat_prompts, cfg.seed, requests[cfg.held_out_windows:])
-    pad = tok.eos_token_id or 0
-    app = onpolicy.prompt_continuations(target, prompts[cfg.held_out_windows:], cfg.seq_len, cfg.prompt_len,
-                                        cfg.answer_batch, budget * cfg.app_share, pad_id=pad)
-    held_prompts = {"app": prompts[: cfg.held_out_windows],
-                    "chat": [encode(tok, ChatPrompt(r)) for r in requests[: cfg.held_out_windows]]}
-    held_sets = {k: onpolicy.prompt_continuations(target, v, cfg.seq_len, cfg.prompt_len, cfg.answer_batch,
-                                                  float("inf"), pad_id=pad) for k, v in held_prompts.items() if v}
+    data = cached_onpolicy(cfg, f"{recipe.name} ({loaded.description})", log,
+                           lambda: onpolicy_data(target, tok, train, held, cfg, budget))
+    gen, gen_held, app, requests, held_sets = (data[k] for k in ("gen", "gen_held", "app", "requests", "held_sets"))
     log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows "
         f"({len(requests)} self-written chat requests), {len(gen_held)} + "
         f"{sum(len(v) for v in held_sets.values())} held-out ({time.perf_counter() - t0:.0f} s)")

@@ -5,10 +5,20 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
+import torch
 
 from tests.tiny import save_tiny, write_recipe
 from toolchain.compile.head import load_head
-from toolchain.train.head import HEAD_FILE, REPORT_FILE, HeadConfig, draft_vocabulary, train_head
+from toolchain.train.draft import DraftTrainError
+from toolchain.train.head import (
+    HEAD_FILE,
+    REPORT_FILE,
+    HeadConfig,
+    cached_onpolicy,
+    draft_vocabulary,
+    train_head,
+)
 
 
 def test_draft_vocabulary_keeps_the_most_frequent_tokens_and_eos():
@@ -32,3 +42,30 @@ def test_a_short_training_run_writes_a_head_its_target_loads(tmp_path):
     assert json.loads((tmp_path / "head" / REPORT_FILE).read_text())["steps"] == report["steps"]
     head = load_head(AutoModelForCausalLM.from_pretrained(hf).float(), tmp_path / "head" / HEAD_FILE)
     assert len(head.vocab_ids) == 128
+
+
+def _windows(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"gen": torch.randint(0, 100, (2, 8), generator=g), "gen_held": torch.randint(0, 100, (1, 8), generator=g),
+            "app": torch.randint(0, 100, (3, 8), generator=g), "requests": ["write a poem about rain"],
+            "held_sets": {"app": torch.randint(0, 100, (1, 8), generator=g)}}
+
+
+def test_the_onpolicy_cache_is_written_once_then_read_and_refused_for_other_settings(tmp_path):
+    cache = tmp_path / "c" / "onpolicy.pt"
+    cfg = HeadConfig(onpolicy_cache=str(cache))
+    first = cached_onpolicy(cfg, "t", lambda _m: None, lambda: _windows(0))
+    assert cache.is_file() and not cache.with_name(cache.name + ".partial").exists()
+
+    def must_not_generate():
+        raise AssertionError("generated although the cache holds these windows")
+
+    again = cached_onpolicy(cfg, "t", lambda _m: None, must_not_generate)
+    assert torch.equal(again["app"], first["app"]) and again["requests"] == first["requests"]
+    assert torch.equal(again["held_sets"]["app"], first["held_sets"]["app"])
+    with pytest.raises(DraftTrainError, match="seed"):
+        cached_onpolicy(HeadConfig(onpolicy_cache=str(cache), seed=1), "t", lambda _m: None, must_not_generate)
+    with pytest.raises(DraftTrainError, match="target"):
+        cached_onpolicy(cfg, "another target", lambda _m: None, must_not_generate)
+    assert torch.equal(torch.load(cache, weights_only=True)["app"], first["app"])  # refused, not overwritten
+    assert cached_onpolicy(HeadConfig(), "t", lambda _m: None, lambda: _windows(3))["app"].shape == (3, 8)
