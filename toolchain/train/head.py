@@ -149,7 +149,8 @@ def onpolicy_data(target: Any, tok: Any, train: np.ndarray, held: np.ndarray, cf
 
 
 # the settings that decide which text the generation writes (the time shares only decide how much)
-CACHE_KEYS = ("seq_len", "prompt_len", "seed", "held_out_windows", "generated_windows", "app_chat_prompts")
+CACHE_KEYS = ("seq_len", "prompt_len", "seed", "held_out_windows", "generated_windows", "app_chat_prompts",
+              "self_chat")
 
 
 def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],

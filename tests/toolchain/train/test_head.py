@@ -65,6 +65,8 @@ def test_the_onpolicy_cache_is_written_once_then_read_and_refused_for_other_sett
     assert torch.equal(again["held_sets"]["app"], first["held_sets"]["app"])
     with pytest.raises(DraftTrainError, match="seed"):
         cached_onpolicy(HeadConfig(onpolicy_cache=str(cache), seed=1), "t", lambda _m: None, must_not_generate)
+    with pytest.raises(DraftTrainError, match="self_chat"):  # decides which prompts are answered
+        cached_onpolicy(HeadConfig(onpolicy_cache=str(cache), self_chat=5), "t", lambda _m: None, must_not_generate)
     with pytest.raises(DraftTrainError, match="target"):
         cached_onpolicy(cfg, "another target", lambda _m: None, must_not_generate)
     assert torch.equal(torch.load(cache, weights_only=True)["app"], first["app"])  # refused, not overwritten
