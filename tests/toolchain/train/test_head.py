@@ -71,3 +71,11 @@ def test_the_onpolicy_cache_is_written_once_then_read_and_refused_for_other_sett
         cached_onpolicy(cfg, "another target", lambda _m: None, must_not_generate)
     assert torch.equal(torch.load(cache, weights_only=True)["app"], first["app"])  # refused, not overwritten
     assert cached_onpolicy(HeadConfig(), "t", lambda _m: None, lambda: _windows(3))["app"].shape == (3, 8)
+
+
+def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
+    junk = tmp_path / "notes.pt"
+    junk.write_text("not a cache")
+    with pytest.raises(DraftTrainError, match="not a cache this command wrote"):
+        cached_onpolicy(HeadConfig(onpolicy_cache=str(junk)), "t", lambda _m: None, lambda: _windows(0))
+    assert junk.read_text() == "not a cache"
