@@ -166,8 +166,10 @@ def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
         try:
             saved = torch.load(path, weights_only=True)
         except Exception as exc:
-            raise DraftTrainError(f"--onpolicy-cache {path}: not a cache this command wrote ({type(exc).__name__}); "
-                                  "delete it or give another path") from exc
+            saved = exc
+        if not isinstance(saved, dict) or "key" not in saved:
+            raise DraftTrainError(f"--onpolicy-cache {path}: not a cache this command wrote ({type(saved).__name__}); "
+                                  "delete it or give another path")
         if saved.get("key") != key:
             diff = {k: saved.get("key", {}).get(k) for k in key if saved.get("key", {}).get(k) != key[k]}
             raise DraftTrainError(f"--onpolicy-cache {path} holds windows generated with other settings {diff} "

@@ -79,3 +79,6 @@ def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
     with pytest.raises(DraftTrainError, match="not a cache this command wrote"):
         cached_onpolicy(HeadConfig(onpolicy_cache=str(junk)), "t", lambda _m: None, lambda: _windows(0))
     assert junk.read_text() == "not a cache"
+    torch.save(torch.zeros(3), junk)  # a loadable file of another kind
+    with pytest.raises(DraftTrainError, match="not a cache this command wrote"):
+        cached_onpolicy(HeadConfig(onpolicy_cache=str(junk)), "t", lambda _m: None, lambda: _windows(0))
