@@ -167,11 +167,12 @@ def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
             saved = torch.load(path, weights_only=True)
         except Exception as exc:
             saved = exc
-        if not isinstance(saved, dict) or "key" not in saved:
+        old = saved.get("key") if isinstance(saved, dict) else None
+        if not isinstance(old, dict):
             raise DraftTrainError(f"--onpolicy-cache {path}: not a cache this command wrote ({type(saved).__name__}); "
                                   "delete it or give another path")
-        if saved.get("key") != key:
-            diff = {k: saved.get("key", {}).get(k) for k in key if saved.get("key", {}).get(k) != key[k]}
+        if old != key:
+            diff = {k: old.get(k) for k in key if old.get(k) != key[k]}
             raise DraftTrainError(f"--onpolicy-cache {path} holds windows generated with other settings {diff} "
                                   f"(this run: { {k: key[k] for k in diff} }); delete it or give another path")
         log(f"on-policy windows read from {path} ({len(saved['app'])} answer windows; generation skipped)")
