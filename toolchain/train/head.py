@@ -60,6 +60,8 @@ class HeadConfig:
     self_chat_share: float = 0.08  # of the budget: writing those requests
     answer_batch: int = 32  # rows per batched greedy generation of answers
     teacher_share: float = 0.12  # of the budget: the teacher pass (~100k tokens; the training sees each ~10x)
+    teacher_share_cached: float = 0.2  # the same when --onpolicy-cache skipped the generation (its ~40% of a
+    # run is free): at 100 minutes the pass then covers all ~2000 windows instead of the first ~1400
     held_out_windows: int = 4
     prompt_len: int = 64
     gamma: int = 4
@@ -153,13 +155,19 @@ CACHE_KEYS = ("seq_len", "prompt_len", "seed", "held_out_windows", "generated_wi
               "self_chat")
 
 
+def _setting(key: str) -> str:
+    """A cache key as the user names it: the target, or the option spelling (--self-chat)."""
+    return key if key == "target" else "--" + key.replace("_", "-")
+
+
 def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
-                    generate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """`generate()`'s windows, read from `cfg.onpolicy_cache` when that file holds this target's windows for
-    these settings (generation is most of a run's budget: a rerun then spends it on training), else
-    generated and written there. A file for another target or other settings is refused, not overwritten."""
+                    generate: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """`generate()`'s windows, and whether they were read from `cfg.onpolicy_cache`: read when that file holds
+    this target's windows for these settings (generation is most of a run's budget: a rerun then spends it on
+    the teacher pass and training), else generated and written there. A file for another target or other
+    settings is refused, not overwritten."""
     if not cfg.onpolicy_cache:
-        return generate()
+        return generate(), False
     path = Path(cfg.onpolicy_cache)
     key = {"target": target, **{k: getattr(cfg, k) for k in CACHE_KEYS}}
     if path.is_file():
@@ -172,17 +180,17 @@ def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
             raise DraftTrainError(f"--onpolicy-cache {path}: not a cache this command wrote ({type(saved).__name__}); "
                                   "delete it or give another path")
         if old != key:
-            diff = {k: old.get(k) for k in key if old.get(k) != key[k]}
-            raise DraftTrainError(f"--onpolicy-cache {path} holds windows generated with other settings {diff} "
-                                  f"(this run: { {k: key[k] for k in diff} }); delete it or give another path")
+            diff = ", ".join(f"{_setting(k)} {old.get(k)!r} (this run: {key[k]!r})" for k in key if old.get(k) != key[k])
+            raise DraftTrainError(f"--onpolicy-cache {path} holds windows generated with other settings: {diff}; "
+                                  "delete it or give another path")
         log(f"on-policy windows read from {path} ({len(saved['app'])} answer windows; generation skipped)")
-        return {k: v for k, v in saved.items() if k != "key"}
+        return {k: v for k, v in saved.items() if k != "key"}, True
     data = generate()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")  # a run stopped mid-write leaves no cache that looks complete
     torch.save({"key": key, **data}, tmp)
     tmp.replace(path)
-    return data
+    return data, False
 
 
 def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -200,14 +208,15 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     tok = loaded.tokenizer
     train, held = corpus.train_and_held_out(tok, cfg.corpus_tokens, cfg.seq_len * 8, cfg.seed)
     w_train = token_windows(train, cfg.seq_len)
-    data = cached_onpolicy(cfg, f"{recipe.name} ({loaded.description})", log,
+    data, read = cached_onpolicy(cfg, f"{recipe.name} ({loaded.description})", log,
                            lambda: onpolicy_data(target, tok, train, held, cfg, budget))
     gen, gen_held, app, requests, held_sets = (data[k] for k in ("gen", "gen_held", "app", "requests", "held_sets"))
     log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows "
         f"({len(requests)} self-written chat requests), {len(gen_held)} + "
         f"{sum(len(v) for v in held_sets.values())} held-out ({time.perf_counter() - t0:.0f} s)")
     windows = torch.cat([app, gen, w_train])
-    states, _ = teacher_states(target, windows, budget * cfg.teacher_share, cfg.batch, log)
+    share = cfg.teacher_share_cached if read else cfg.teacher_share
+    states, _ = teacher_states(target, windows, budget * share, cfg.batch, log)
     windows = windows[: len(states)]
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
     held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]

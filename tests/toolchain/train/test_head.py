@@ -54,23 +54,24 @@ def _windows(seed: int) -> dict:
 def test_the_onpolicy_cache_is_written_once_then_read_and_refused_for_other_settings(tmp_path):
     cache = tmp_path / "c" / "onpolicy.pt"
     cfg = HeadConfig(onpolicy_cache=str(cache))
-    first = cached_onpolicy(cfg, "t", lambda _m: None, lambda: _windows(0))
-    assert cache.is_file() and not cache.with_name(cache.name + ".partial").exists()
+    first, read = cached_onpolicy(cfg, "t", lambda _m: None, lambda: _windows(0))
+    assert not read and cache.is_file() and not cache.with_name(cache.name + ".partial").exists()
 
     def must_not_generate():
         raise AssertionError("generated although the cache holds these windows")
 
-    again = cached_onpolicy(cfg, "t", lambda _m: None, must_not_generate)
+    again, read = cached_onpolicy(cfg, "t", lambda _m: None, must_not_generate)
+    assert read  # the teacher pass then gets the generation's freed time
     assert torch.equal(again["app"], first["app"]) and again["requests"] == first["requests"]
     assert torch.equal(again["held_sets"]["app"], first["held_sets"]["app"])
-    with pytest.raises(DraftTrainError, match="seed"):
+    with pytest.raises(DraftTrainError, match=r"--seed 0 \(this run: 1\)"):
         cached_onpolicy(HeadConfig(onpolicy_cache=str(cache), seed=1), "t", lambda _m: None, must_not_generate)
-    with pytest.raises(DraftTrainError, match="self_chat"):  # decides which prompts are answered
+    with pytest.raises(DraftTrainError, match="--self-chat"):  # decides which prompts are answered
         cached_onpolicy(HeadConfig(onpolicy_cache=str(cache), self_chat=5), "t", lambda _m: None, must_not_generate)
     with pytest.raises(DraftTrainError, match="target"):
         cached_onpolicy(cfg, "another target", lambda _m: None, must_not_generate)
     assert torch.equal(torch.load(cache, weights_only=True)["app"], first["app"])  # refused, not overwritten
-    assert cached_onpolicy(HeadConfig(), "t", lambda _m: None, lambda: _windows(3))["app"].shape == (3, 8)
+    assert cached_onpolicy(HeadConfig(), "t", lambda _m: None, lambda: _windows(3))[0]["app"].shape == (3, 8)
 
 
 def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
