@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from toolchain.atomic import atomic_file
 from toolchain.errors import ArtifactError
 
 # inside deferred_hashing(), unverified files from this size on are hashed in the background
@@ -64,11 +65,9 @@ def known_sha(st: os.stat_result) -> str | None:
 def remember(st: os.stat_result, digest: str) -> None:
     """Records that the file in state `st` hashes to `digest` (best effort)."""
     path, state = _entry(st)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(f"{state} {digest}")
-        tmp.replace(path)
+        with atomic_file(path) as tmp:
+            tmp.write_text(f"{state} {digest}")
     except OSError:
         pass
 

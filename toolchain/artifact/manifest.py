@@ -22,6 +22,7 @@ import numpy as np
 from toolchain.artifact import chain, integrity
 from toolchain.artifact.integrity import sha256_path
 from toolchain.artifact.layout import StepLayout
+from toolchain.atomic import atomic_file
 from toolchain.errors import ArtifactError
 
 MANIFEST = "manifest.json"
@@ -223,9 +224,8 @@ class Manifest:
                 sizes[rel] = p.stat().st_size
         self.files = files
         self.sizes = sizes
-        tmp = folder / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
-        tmp.rename(folder / MANIFEST)
+        with atomic_file(folder / MANIFEST) as tmp:
+            tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
 
     @classmethod
     def load(cls, folder: str | Path, check_files: bool = True) -> Manifest:

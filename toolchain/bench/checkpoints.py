@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from toolchain.atomic import atomic_file
+
 VOCAB = 49152  # SmolLM2's tokenizer; Llama 3's 128256 would only grow embedding and lm_head
 
 
@@ -92,8 +94,7 @@ def write_random_llama(folder: Path, shape: Shape, dtype: str = "float32", seed:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * ((-len(raw)) % 8)
     rng = np.random.default_rng(seed)
-    tmp = folder / "model.safetensors.partial"
-    with open(tmp, "wb") as f:
+    with atomic_file(folder / "model.safetensors") as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, dims in tensors:
@@ -102,7 +103,6 @@ def write_random_llama(folder: Path, shape: Shape, dtype: str = "float32", seed:
             else:
                 arr = 0.02 * rng.standard_normal(dims, dtype=np.float32)
             f.write(arr.astype(np_dtype).tobytes())
-    tmp.rename(folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps({**shape.config(), "torch_dtype": dtype}, indent=1))
     _save_tokenizer(folder)
     return folder

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from toolchain.artifact.manifest import Manifest
+from toolchain.atomic import atomic_file
 from toolchain.errors import MobcError
 
 ADAPTERS_DIR = "adapters"
@@ -65,11 +66,8 @@ class Adapter:
         for proj, (a, b) in self.weights.items():
             arrays[f"A/{proj}"], arrays[f"B/{proj}"] = a, b
         arrays["__meta__"] = np.array(json.dumps({"name": self.name, "rank": self.rank, **self.meta}))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        with open(tmp, "wb") as f:
+        with atomic_file(path) as tmp, open(tmp, "wb") as f:
             np.savez(f, **arrays)
-        tmp.rename(path)
 
     @classmethod
     def load(cls, path: str | Path) -> Adapter:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from toolchain.artifact.layout import MASK_MIN
+from toolchain.atomic import atomic_file
 from toolchain.compile.capture import ATTENTION_NAME, StepGraph, layout_for, rope_tables
 from toolchain.train import corpus
 
@@ -166,7 +167,5 @@ def train_forecast(model: Any, tokenizer: Any, m: int, cfg: ForecastConfig,
 
 
 def save_forecast(path: Path, embeds: np.ndarray, report: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp.npz")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
         np.savez(f, forecast_embeds=embeds, report=np.array(json.dumps(report)))
-    tmp.rename(path)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from toolchain.atomic import atomic_file
 from toolchain.bench.prompts import ChatPrompt, encode
 from toolchain.train import corpus, onpolicy
 from toolchain.train.draft import DraftTrainError, target_continuations, teacher_states, token_windows
@@ -186,10 +187,8 @@ def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
         log(f"on-policy windows read from {path} ({len(saved['app'])} answer windows; generation skipped)")
         return {k: v for k, v in saved.items() if k != "key"}, True
     data = generate()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")  # a run stopped mid-write leaves no cache that looks complete
-    torch.save({"key": key, **data}, tmp)
-    tmp.replace(path)
+    with atomic_file(path) as tmp:  # a run stopped mid-write leaves no cache that looks complete
+        torch.save({"key": key, **data}, tmp)
     return data, False
 
 
