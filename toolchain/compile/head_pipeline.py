@@ -85,6 +85,12 @@ def compile_head(recipe: Recipe, recipe_path: Path, out_dir: Path, force: bool, 
             f"{h['max_abs_logits']:.2e}, max relative |hidden diff| {h['max_rel_hidden']:.2e}, argmax identical on "
             f"{h['argmax_identical']}/{h['rows']} rows. Draft vocabulary: {len(vocab)} of the target's "
             f"{loaded.config.vocab_size} tokens (`{VOCAB_FILE}`).")
+        manifest.inspect_tables.append({
+            "title": f"Draft head verification ({h['rows']} real tokens through `{manifest.graphs[0].family}` "
+                     "vs the torch module)",
+            "head": ["max |logits diff|", "max relative |hidden diff|", "argmax identical", "tolerance", "ok"],
+            "rows": [[f"{h['max_abs_logits']:.2e}", f"{h['max_rel_hidden']:.2e}", f"{h['argmax_identical']}/{h['rows']}",
+                      f"{recipe.tolerance.max_abs:g}", "yes" if h["ok"] else "NO"]]})
         manifest.timings = timer.timings
         write_report(tmp, manifest)
         manifest.write(tmp)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from tests.toolchain.head_fixtures import head_recipe, head_weights, tiny_head_world
+from toolchain.cli.main import app
 from toolchain.compile import head as head_mod
 from toolchain.compile.export import ExportError
 from toolchain.compile.head import HeadError
@@ -31,6 +33,11 @@ def test_head_graphs_compute_the_module_and_carry_the_draft_vocabulary(world):
     assert "features" in decode.input_names and decode.output_names[:2] == ["logits", "hidden"]
     assert decode.input_shape("features")[0] == [1, 1, sessions.manifest.model.hidden]
     assert sessions.manifest.model.vocab == 256  # logits over the draft vocabulary
+    report = (head / "report.md").read_text()  # its own check, not an empty table of target families
+    assert "## Draft head verification" in report and "Verification against transformers" not in report
+    shown = CliRunner().invoke(app, ["inspect", str(head)], terminal_width=200)
+    assert shown.exit_code == 0 and "Draft head verification" in shown.output, shown.output
+    assert "Verification against transformers" not in shown.output
 
 
 def test_a_graph_that_misreads_its_features_fails_the_compile(world, tmp_path, monkeypatch):
