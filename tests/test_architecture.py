@@ -127,10 +127,11 @@ def test_no_import_cycles_between_modules():
 # Imports point down: a module of a layer may import only its own layer and the ones listed.
 LAYERS = {
     "toolchain.errors": set(),
-    "toolchain.artifact": {"toolchain.errors"},
+    "toolchain.atomic": set(),  # the one whole-or-nothing file write, beside errors at the bottom
+    "toolchain.artifact": {"toolchain.errors", "toolchain.atomic"},
     "toolchain.kernels": {"toolchain.errors"},  # C sources and their build: below everything that runs graphs
-    "toolchain.runtime": {"toolchain.errors", "toolchain.artifact", "toolchain.cost", "toolchain.qnn",
-                          "toolchain.kernels"},
+    "toolchain.runtime": {"toolchain.errors", "toolchain.atomic", "toolchain.artifact", "toolchain.cost",
+                          "toolchain.qnn", "toolchain.kernels"},
     "toolchain.cost": {"toolchain.errors", "toolchain.artifact"},
     "toolchain.ir": {"toolchain.errors", "toolchain.artifact"},
     "passes": {"toolchain.errors", "toolchain.artifact", "toolchain.ir", "toolchain.kernels"},
