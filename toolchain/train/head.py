@@ -156,9 +156,13 @@ CACHE_KEYS = ("seq_len", "prompt_len", "seed", "held_out_windows", "generated_wi
               "self_chat")
 
 
+CACHE_OPTIONS = ("seed", "self_chat")  # the cache keys `mobc train draft --kind head` takes as options
+
+
 def _setting(key: str) -> str:
-    """A cache key as the user names it: the target, or the option spelling (--self-chat)."""
-    return key if key == "target" else "--" + key.replace("_", "-")
+    """A cache key as the user names it: the option's spelling (--self-chat) when it is one of the command's
+    options, else the setting's own name (the target, or a HeadConfig field a library caller set)."""
+    return "--" + key.replace("_", "-") if key in CACHE_OPTIONS else key
 
 
 def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],

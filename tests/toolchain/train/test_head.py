@@ -70,6 +70,8 @@ def test_the_onpolicy_cache_is_written_once_then_read_and_refused_for_other_sett
         cached_onpolicy(HeadConfig(onpolicy_cache=str(cache), self_chat=5), "t", lambda _m: None, must_not_generate)
     with pytest.raises(DraftTrainError, match="target"):
         cached_onpolicy(cfg, "another target", lambda _m: None, must_not_generate)
+    with pytest.raises(DraftTrainError, match=r"with other settings: prompt_len 64 \(this run: 32\)"):  # no option
+        cached_onpolicy(HeadConfig(onpolicy_cache=str(cache), prompt_len=32), "t", lambda _m: None, must_not_generate)
     assert torch.equal(torch.load(cache, weights_only=True)["app"], first["app"])  # refused, not overwritten
     assert cached_onpolicy(HeadConfig(), "t", lambda _m: None, lambda: _windows(3))[0]["app"].shape == (3, 8)
 
