@@ -141,14 +141,19 @@ class BuildResult:
 
 class TreeBuilder:
     def __init__(self, verify: StepCost, draft: StepCost, top_k: int = 4, max_depth: int = 8,
-                 calibrator: Calibrator | None = None, batch: bool = True, max_nodes: int = 256):
+                 calibrator: Calibrator | None = None, batch: bool = True, max_nodes: int = 256,
+                 max_rows: int | None = None):
         self.verify = verify
         self.draft = draft
         self.top_k = top_k
         self.max_depth = max_depth
         self.calib = calibrator or Calibrator(top_k=top_k)
         self.batch = batch
-        self.max_nodes = max_nodes
+        self.max_nodes = max_nodes  # proposed nodes (the pool select() ranks)
+        # draft rows: each expanded node is one row of the draft's cache, so its free room bounds the
+        # expansions, not the pool (a node proposed but never expanded takes no row). Capping the pool
+        # by the room instead stopped phone-priced trees at depth 3-4: 16 nodes per call, 4 children each
+        self.max_rows = max_rows
         self.explore_every = 8
         self.cycles = 0
 
@@ -163,11 +168,12 @@ class TreeBuilder:
         order = _order(pool.gains, pool.depths)
         cur = select(pool.gains, pool.depths, self.verify, d_seconds, order)
         record = {"nodes": len(pool), "rate": cur.rate, "expected_tokens": cur.expected_tokens}
-        if len(pool) >= self.max_nodes:
+        rows_left = len(pool) if self.max_rows is None else self.max_rows - len(expanded)
+        if len(pool) >= self.max_nodes or rows_left <= 0:
             return cur, [], record
         elig = [i for i in [0, *order] if i not in expanded and pool.depths[i] < self.max_depth]
         best_b, best_sel = 0, cur
-        for b in self._batch_sizes(len(elig)):
+        for b in self._batch_sizes(min(len(elig), rows_left)):
             gains, depths = list(pool.gains), list(pool.depths)
             for x in elig[:b]:
                 for m in self.calib.child_mean[: self.top_k]:

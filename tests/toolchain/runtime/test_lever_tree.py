@@ -124,6 +124,27 @@ def test_adaptive_stop_rule():
         assert "batch" not in res.trace[-1]
 
 
+def test_draft_rows_bound_the_expansions_not_the_pool():
+    """The draft's free cache rows bound how many nodes it runs; proposed-but-unexpanded nodes take no
+    row, so the pool grows past that bound (capping the pool by the rows stopped trees at depth 3-4)."""
+    rng = np.random.default_rng(3)
+    full = synthetic_tree(rng, branching=4, depth=4)
+    expanded_calls = []
+    inner = synthetic_expand(full)
+
+    def expand(pool, nodes):
+        expanded_calls.append(list(nodes))
+        return inner(pool, nodes)
+
+    b = builder(0.001, full, top_k=4)
+    b.max_rows = 6
+    res = b.build(0, expand)
+    ran = [x for call in expanded_calls for x in call]
+    assert len(ran) <= 6 and len(set(ran)) == len(ran)
+    assert len(res.pool) > 6  # every expanded node proposed 4 children: the pool is not capped at the rows
+    assert max(res.pool.depths) >= 3  # cheap drafting went deep within its 6 rows
+
+
 def test_ancestor_mask_and_positions_against_reference():
     from toolchain.artifact.layout import StepLayout
     from toolchain.runtime.cache import KVCache
