@@ -259,7 +259,9 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
             f"tokens per target call; acceptance by depth {[round(x, 3) for x in a['accept_at_depth']]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_head(head, out_dir / HEAD_FILE)
-    report = {"target": recipe.name, "target_source": loaded.description, "config": asdict(cfg),
+    # the cache by file name: its full path is this machine's (the cache's key checked what it holds)
+    config = {**asdict(cfg), "onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None}
+    report = {"target": recipe.name, "target_source": loaded.description, "config": config,
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
               "vocab_coverage_held_out": coverage, "train_windows": len(windows), "generated_windows": len(gen),
               "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),

@@ -33,13 +33,16 @@ def test_a_short_training_run_writes_a_head_its_target_loads(tmp_path):
     hf = save_tiny(tmp_path / "hf", "llama")
     recipe = write_recipe(tmp_path / "t.yaml", hf)
     cfg = HeadConfig(minutes=0.5, corpus_tokens=4096, generated_windows=2, held_out_windows=1, seq_len=64,
-                     prompt_len=16, draft_vocab=128, answer_batch=8)  # a small first batch: the budget is 30 s
+                     prompt_len=16, draft_vocab=128, answer_batch=8,  # a small first batch: the budget is 30 s
+                     onpolicy_cache=str(tmp_path / "scratch" / "gen.pt"))
     report = train_head(recipe, tmp_path / "head", cfg, log=lambda _m: None)
     assert report["steps"] > 0 and report["loss_last"] < report["loss_first"]
     assert report["draft_vocab"] == 128 and 0 < report["vocab_coverage_held_out"] <= 1
     held = report["held_out"]
     assert 1.0 <= held["tokens_per_call"] <= 1 + cfg.gamma and held["rounds"] > 0
-    assert json.loads((tmp_path / "head" / REPORT_FILE).read_text())["steps"] == report["steps"]
+    written = json.loads((tmp_path / "head" / REPORT_FILE).read_text())
+    assert written["steps"] == report["steps"]
+    assert written["config"]["onpolicy_cache"] == "gen.pt"  # the file's name, not this machine's path
     head = load_head(AutoModelForCausalLM.from_pretrained(hf).float(), tmp_path / "head" / HEAD_FILE)
     assert len(head.vocab_ids) == 128
 
