@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 
 from toolchain.artifact.layout import MASK_MIN
-from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, select
-from toolchain.runtime.policies.sampling import Sampler
+from toolchain.runtime.lever_tree import (
+    Calibrator,
+    StepCost,
+    TreeBuilder,
+    select,
+    top_candidates,
+    top_softmax,
+)
+from toolchain.runtime.policies.sampling import Sampler, softmax
 from toolchain.runtime.tree import Tree, accept_greedy, accept_sampled
 
 VERIFY = StepCost({1: 1.0, 4: 1.05, 8: 1.2})
@@ -233,3 +240,14 @@ def test_sampled_multi_candidate_acceptance_is_lossless():
     n2 = second.sum()
     chi2 = ((second - p2 * n2) ** 2 / (p2 * n2)).sum()
     assert chi2 < CHI2_5DOF_P001
+
+
+def test_top_softmax_equals_the_top_of_each_rows_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (5, 300)).astype(np.float32)
+    logits[2, 100:] = MASK_MIN  # a draft head's row: tokens outside its vocabulary masked
+    idx, probs = top_softmax(logits, 8)
+    for r, row in enumerate(logits):
+        want_idx, want_p = top_candidates(softmax(row), 8)
+        assert idx[r].tolist() == want_idx.tolist()
+        np.testing.assert_allclose(probs[r], want_p, rtol=1e-6)

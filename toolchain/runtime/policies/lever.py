@@ -25,10 +25,10 @@ import numpy as np
 from toolchain.cost.prices import CpuPrices, PhonePrices, Prices
 from toolchain.errors import MobcError
 from toolchain.runtime.head_draft import tree_drafter
-from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, top_candidates
+from toolchain.runtime.lever_tree import Calibrator, StepCost, TreeBuilder, top_candidates, top_softmax
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy, RunStats
-from toolchain.runtime.policies.sampling import Sampler, softmax
+from toolchain.runtime.policies.sampling import Sampler
 from toolchain.runtime.tree_exec import DraftTree, TreeVerifier
 
 if TYPE_CHECKING:
@@ -193,10 +193,6 @@ class Lever(Policy):
     def _expander(self, drafter: DraftTree, todo: list[int], started: list[bool], sampler: Sampler):
         k = self.config.top_k + self.config.shadows
 
-        def probs(logits: np.ndarray) -> np.ndarray:
-            # greedy: the draft's own softmax is its confidence; sampling: the tempered draft q
-            return softmax(logits) if sampler.greedy else sampler.probs(logits)
-
         def expand(pool, nodes: list[int]):
             rows = {}
             if 0 in nodes:  # the root's draft call also feeds the committed tokens the draft has not seen
@@ -205,7 +201,10 @@ class Lever(Policy):
             rest = [x for x in nodes if x != 0]
             if rest:
                 rows.update(zip(rest, drafter.expand(pool, rest), strict=True))
-            return [top_candidates(probs(rows[x]), k) for x in nodes]
+            logits = np.stack([rows[x] for x in nodes])
+            if sampler.greedy:  # the draft's own softmax is its confidence: only its top k are needed
+                return list(zip(*top_softmax(logits, k), strict=True))
+            return [top_candidates(sampler.probs(row), k) for row in logits]  # the tempered draft q
 
         return expand
 
