@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 class LeverConfig:
     # Children proposed per expanded node, depth and pool bounds. With the phone's prices (a verify
     # reads the target from flash, a draft-head call ~1% of it) the rate-optimal tree is deep and its
-    # root wide: on 6 bench prompts (lever+lookup, shipped head) top_k 4 / depth 8 / pool 128 gave
-    # 2.91 tokens per cycle, a pool of 512 at depth 12 3.09, top_k 8 / depth 32 / pool 768 3.38. CPU
-    # prices stop the tree early, so lever+cpu keeps its small trees (there: 2.20-2.26 -> 2.31-2.35).
+    # root wide: on the 44 bench prompts (lever+lookup, shipped head) top_k 4 / depth 8 / pool 128
+    # gave 3.05 tokens per cycle, top_k 8 / depth 32 / pool 768 3.33. CPU prices stop the tree
+    # early, so lever+cpu keeps its small trees (2.12 -> 2.17 there).
     top_k: int = 8
     max_depth: int = 32
     batch: bool = True  # several frontier nodes per draft call
