@@ -32,10 +32,14 @@ from toolchain.runtime.model import StepModel
 from toolchain.runtime.tree import Acceptance, Tree, accept
 
 
-def tree_widths(model: StepModel) -> dict[int, str]:
-    """Compiled verify widths -> family: tree-role graphs, else every step graph wider than 1."""
+def tree_widths(model: StepModel, prefill: bool = False) -> dict[int, str]:
+    """Compiled verify widths -> family: tree-role graphs, else every step graph wider than 1. With
+    `prefill`, prefill-role graphs too: a step graph takes its mask as an input, so a prefill graph
+    verifies a tree like any other (a policy that prices its calls decides whether that pays)."""
     roles = {f: model.sessions.chain(f)[0].role for f in model.widths}
     fams = [f for f in model.widths if roles[f] == "tree"] or [f for f in model.widths if model.widths[f] > 1]
+    if prefill:
+        fams += [f for f in model.widths if roles[f] == "prefill" and f not in fams]
     fams.append(model.decode_family)  # width 1: a tree of the root alone is an AR step
     out: dict[int, str] = {}
     for f in fams:
@@ -160,11 +164,11 @@ class VerifyResult:
 
 
 class TreeVerifier:
-    def __init__(self, model: StepModel, logits: str = "path"):
+    def __init__(self, model: StepModel, logits: str = "path", prefill: bool = False):
         if logits not in ("path", "full"):
             raise ValueError("logits must be 'path' or 'full'")
         self.model = model
-        self.widths = tree_widths(model)
+        self.widths = tree_widths(model, prefill)
         self.logits = logits
         self.modes: dict[int, str] = {}  # per-width override of `logits` (policies decide by cost)
         head = [s for s in model.sessions.chain(model.decode_family) if s.role == "lm_head"]

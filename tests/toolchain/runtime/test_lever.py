@@ -191,3 +191,47 @@ def test_lever_by_name_with_phone_costs_and_sampling(artifacts):
     again = make_policy("lever", target, draft, device="snapdragon-8-gen-3", target_dram=0.0)
     assert run(make_policy("lever", target, draft), ids, 25, Sampler(temperature=0.8, seed=3)) == \
         run(again, ids, 25, Sampler(temperature=0.8, seed=3))
+
+
+@pytest.fixture(scope="module")
+def prefill_pair(tmp_path_factory):
+    """(target, draft) folders: the target has a tree graph of 4 rows and a prefill graph of 8 (context 64);
+    the draft a longer context (128), so near the target's end the draft still has room for trees."""
+    from tests.tiny import save_tiny, write_recipe
+    from toolchain.compile.pipeline import compile_recipe
+
+    root = tmp_path_factory.mktemp("lever_prefill")
+    target = write_recipe(root / "t.yaml", save_tiny(root / "t_hf", "llama", seed=0), name="target-p",
+                          graphs="  decode: {width: 1, context: 64}\n  tree4: {width: 4, context: 64, role: tree}\n"
+                                 "  prefill: {width: 8, context: 64}\n", extra="passes: [split_lm_head]\n")
+    draft = write_recipe(root / "d.yaml", save_tiny(root / "d_hf", "llama", seed=1), name="draft-p",
+                         graphs="  decode: {width: 1, context: 128}\n  tree4: {width: 4, context: 128, role: tree}\n")
+    return compile_recipe(target).out_dir, compile_recipe(draft).out_dir
+
+
+def test_phone_priced_lever_also_verifies_on_the_prefill_graph(prefill_pair):
+    """On the phone's prices a verify is nearly flat in rows, so the prefill graph is one more verify
+    width; CPU prices keep to the tree graphs. Either way the output is ar's."""
+    target_dir, draft_dir = prefill_pair
+    target, draft = StepModel(target_dir), StepModel(draft_dir)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    ref = run(make_policy("ar", target), ids, 24)
+    phone = Lever(target, draft, LeverConfig(top_k=3), prices=(FixedPrices(1.0), FixedPrices(0.01)))
+    assert sorted(phone.verifier.widths) == [1, 4, 8]
+    assert run(phone, ids, 24) == ref
+    assert phone.stats.widths[8] > 0  # flat verify prices: the builder filled the 8-row graph
+    cpu = Lever(target, draft, LeverConfig(top_k=3, cost="cpu"))
+    assert sorted(cpu.verifier.widths) == [1, 4]
+    assert run(cpu, ids, 24) == ref
+
+
+def test_near_the_context_end_lever_keeps_verifying_on_the_graphs_that_fit(prefill_pair):
+    """With 58 of the target's 64 rows taken the 8-row graph no longer fits but the 4-row one does:
+    lever goes on with 4-row trees (it used to fall back to plain steps once its widest graph did not fit)."""
+    target_dir, draft_dir = prefill_pair
+    target, draft = StepModel(target_dir), StepModel(draft_dir)
+    ids = list(np.random.default_rng(1).integers(3, 500, size=58))
+    ref = run(make_policy("ar", target), ids, 6)
+    lever = Lever(target, draft, LeverConfig(top_k=3), prices=(FixedPrices(1.0), FixedPrices(0.01)))
+    assert run(lever, ids, 6) == ref
+    assert set(lever.stats.widths) == {4}, lever.stats.widths

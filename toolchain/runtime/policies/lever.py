@@ -40,8 +40,9 @@ class LeverConfig:
     # Children proposed per expanded node, depth and pool bounds. With the phone's prices (a verify
     # reads the target from flash, a draft-head call ~1% of it) the rate-optimal tree is deep and its
     # root wide: on the 44 bench prompts (lever+lookup, shipped head) top_k 4 / depth 8 / pool 128
-    # gave 3.05 tokens per cycle, top_k 8 / depth 32 / pool 768 3.33. CPU prices stop the tree
-    # early, so lever+cpu keeps its small trees (2.12 -> 2.17 there).
+    # gave 3.05 tokens per cycle, top_k 8 / depth 32 / pool 768 3.33. A pool of 2048 pays only with the
+    # prefill graph as a verify width (6 prompts: 3.08 -> 3.31 tokens per cycle). CPU prices stop the
+    # tree early, so lever+cpu keeps its small trees (2.12 -> 2.17 there).
     top_k: int = 8
     max_depth: int = 32
     batch: bool = True  # several frontier nodes per draft call
@@ -50,7 +51,7 @@ class LeverConfig:
     device: str = "snapdragon-8-gen-3"
     target_dram: float = 0.0
     draft_dram: float = 1.0
-    max_nodes: int = 768  # proposed nodes; the draft's free cache rows bound the expanded ones
+    max_nodes: int = 2048  # proposed nodes; the draft's free cache rows bound the expanded ones
     shadows: int = 4  # extra draft candidates per expanded node, for predictor normalization
 
 
@@ -87,13 +88,18 @@ class Lever(Policy):
                       if cfg.cost == "phone" else (CpuPrices(target), CpuPrices(d_model)))
         self.t_prices, self.d_prices = prices
         logits = "path" if cfg.logits == "auto" else cfg.logits
-        self.verifier = verifier or TreeVerifier(target, logits=logits if self._can_split() else "full")
+        # the phone prices a verify by its flash reads, nearly flat in rows, so a prefill-wide tree may pay
+        # there; on a CPU a call's cost grows with its rows (32 rows ~3.8x a decode step) and timing a
+        # 128-row call at start-up costs seconds, so CPU prices keep to the tree graphs
+        wide = verifier is None and cfg.cost == "phone"
+        self.verifier = verifier or TreeVerifier(target, logits=logits if self._can_split() else "full", prefill=wide)
         if isinstance(self.t_prices, CpuPrices):  # every price a decision compares, timed side by side
             self.t_prices.measure(self._verify_keys())
         if isinstance(self.d_prices, CpuPrices):
             self.d_prices.measure(list(draft.widths))
         self.mean_emitted = 2.0  # running mean of tokens per cycle (prices path-only logits)
-        self.builder = TreeBuilder(self._verify_costs(), self._draft_costs(), cfg.top_k, cfg.max_depth,
+        self.verify_costs = self._verify_costs()
+        self.builder = TreeBuilder(self.verify_costs, self._draft_costs(), cfg.top_k, cfg.max_depth,
                                    Calibrator(top_k=cfg.top_k), cfg.batch, cfg.max_nodes)
 
     def _can_split(self) -> bool:
@@ -139,7 +145,6 @@ class Lever(Policy):
         pending = self._prefill(prompt, sampler)
         n = 1
         drafter = tree_drafter(draft)
-        widest = max(self.verifier.widths)
         try:
             yield [pending]
             if pending in target.eos_ids:
@@ -149,7 +154,10 @@ class Lever(Policy):
                 # scratch rows of the draft tree must fit its cache: cap the expansions to the room left
                 room = draft.cache.free(max(draft.widths.values())) - len(todo)
                 self.builder.max_rows = room
-                if not (target.cache.free(widest) >= 0 and room > self.config.top_k):
+                # near the end of the context only the narrower verify graphs fit: the tree is priced on those
+                fitting = {w: c for w, c in self.verify_costs.by_width.items() if target.cache.free(w) >= 0}
+                self.builder.verify = StepCost(fitting)
+                if not (len(fitting) > 1 and room > self.config.top_k):
                     nxt = yield from self._ar_step(pending, n, sampler)  # out of context: finish like ar
                     if nxt is None:
                         return
