@@ -40,9 +40,9 @@ class LeverConfig:
     # Children proposed per expanded node, depth and pool bounds. With the phone's prices (a verify
     # reads the target from flash, a draft-head call ~1% of it) the rate-optimal tree is deep and its
     # root wide: on the 44 bench prompts (lever+lookup, shipped head) top_k 4 / depth 8 / pool 128
-    # gave 3.05 tokens per cycle, top_k 8 / depth 32 / pool 768 3.33. A pool of 2048 pays only with the
-    # prefill graph as a verify width (6 prompts: 3.08 -> 3.31 tokens per cycle). CPU prices stop the
-    # tree early, so lever+cpu keeps its small trees (2.12 -> 2.17 there).
+    # gave 3.05 tokens per cycle, top_k 8 / depth 32 / pool 768 3.33, and with the prefill graph as a
+    # verify width too a pool of 2048 3.54 (without it, the larger pool changed nothing). CPU prices
+    # stop the tree early, so lever+cpu keeps its small trees (2.12 -> 2.24 there).
     top_k: int = 8
     max_depth: int = 32
     batch: bool = True  # several frontier nodes per draft call
