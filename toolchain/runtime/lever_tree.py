@@ -112,19 +112,19 @@ def _order(gains: Sequence[float], depths: Sequence[int]) -> list[int]:
     return (np.lexsort((np.arange(len(g)), d, -g)) + 1).tolist()
 
 
-def _best_rate(gains_desc: np.ndarray, verify: StepCost, draft_seconds: float) -> tuple[float, float, float]:
-    """(rate, gain, seconds) of the rate-maximizing tree over non-root gains sorted best first: select()'s
-    arithmetic without the node list, for the estimates a plan compares (a gain's node does not matter)."""
+def _best_size(gains_desc: np.ndarray, verify: StepCost, draft_seconds: float) -> tuple[Selection, int]:
+    """The rate-maximizing width for non-root gains sorted best first, and how many of them (k) it
+    verifies beside the root: a Selection without its nodes (a plan's estimates need only the rate;
+    select() names the nodes)."""
     csum = np.concatenate([[0.0], np.cumsum(gains_desc)])
-    best = None
+    best: tuple[Selection, int] | None = None
     for w in sorted(verify.by_width):
         k = min(w - 1, len(gains_desc))
-        sec = draft_seconds + verify.by_width[w]
-        rate = (1.0 + csum[k]) / sec if sec > 0 else float("inf")
-        if best is None or rate > best[0] * (1 + 1e-12):
-            best = (float(rate), float(csum[k]), sec)
+        cand = Selection(w, [], float(csum[k]), draft_seconds + verify.by_width[w])
+        if best is None or cand.rate > best[0].rate * (1 + 1e-12):
+            best = cand, k
         if k == len(gains_desc):
-            break
+            break  # wider graphs only cost more
     assert best is not None, "no verify width"
     return best
 
@@ -133,17 +133,9 @@ def select(gains: Sequence[float], depths: Sequence[int], verify: StepCost, draf
            order: list[int] | None = None) -> Selection:
     """The rate-maximizing tree among the proposed nodes, and its width."""
     order = _order(gains, depths) if order is None else order
-    csum = np.concatenate([[0.0], np.cumsum([gains[i] for i in order])])
-    best: Selection | None = None
-    for w in sorted(verify.by_width):
-        k = min(w - 1, len(order))
-        cand = Selection(w, [0, *sorted(order[:k])], float(csum[k]), draft_seconds + verify.by_width[w])
-        if best is None or cand.rate > best.rate * (1 + 1e-12):
-            best = cand
-        if k == len(order):
-            break  # wider graphs only cost more
-    assert best is not None, "no verify width"
-    return best
+    sel, k = _best_size(np.asarray([gains[i] for i in order], np.float64), verify, draft_seconds)
+    sel.nodes = [0, *sorted(order[:k])]
+    return sel
 
 
 @dataclass
@@ -187,8 +179,8 @@ class TreeBuilder:
         (that ranking, a Python sort per candidate, was ~15% of a phone-priced lever cycle on this CPU)."""
         gains, depths = np.asarray(pool.gains, np.float64), np.asarray(pool.depths)
         own = np.sort(gains[1:])[::-1]
-        rate, gain, seconds = _best_rate(own, self.verify, d_seconds)
-        record = {"nodes": len(pool), "rate": rate, "expected_tokens": 1.0 + gain}
+        cur, _ = _best_size(own, self.verify, d_seconds)
+        record = {"nodes": len(pool), "rate": cur.rate, "expected_tokens": cur.expected_tokens}
         rows_left = len(pool) if self.max_rows is None else self.max_rows - len(expanded)
         if len(pool) >= self.max_nodes or rows_left <= 0:
             return [], record
@@ -198,15 +190,15 @@ class TreeBuilder:
         rest = np.flatnonzero(open_[1:]) + 1
         elig += rest[np.lexsort((rest, depths[rest], -gains[rest]))].tolist()
         means = np.asarray(self.calib.child_mean[: self.top_k], np.float64)
-        best_b, best = 0, (rate, gain, seconds)
+        best_b, best = 0, cur
         for b in self._batch_sizes(min(len(elig), rows_left)):
             phantom = np.outer(gains[elig[:b]], means).ravel()  # children estimated before the draft runs
-            est = _best_rate(np.sort(np.concatenate([own, phantom]))[::-1], self.verify, d_seconds + self.draft(b))
-            if est[0] > best[0] * (1 + 1e-9):
+            est, _ = _best_size(np.sort(np.concatenate([own, phantom]))[::-1], self.verify, d_seconds + self.draft(b))
+            if est.rate > best.rate * (1 + 1e-9):
                 best_b, best = b, est
         if best_b:
-            dg, dt = best[1] - gain, best[2] - seconds
-            record.update(batch=best_b, est_rate=best[0], marginal_rate=dg / dt if dt > 0 else float("inf"))
+            dg, dt = best.gain - cur.gain, best.seconds - cur.seconds
+            record.update(batch=best_b, est_rate=best.rate, marginal_rate=dg / dt if dt > 0 else float("inf"))
         return elig[:best_b], record
 
     def build(self, root_token: int, expand: ExpandFn) -> BuildResult:
