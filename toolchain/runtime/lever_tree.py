@@ -152,10 +152,13 @@ class BuildResult:
 class TreeBuilder:
     def __init__(self, verify: StepCost, draft: StepCost, top_k: int = 4, max_depth: int = 8,
                  calibrator: Calibrator | None = None, batch: bool = True, max_nodes: int = 256,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, near_root: Sequence[int] = ()):
         self.verify = verify
         self.draft = draft
         self.top_k = top_k
+        # children proposed by a node at depth d < len(near_root) (top_k deeper): a cycle's root follows
+        # a rejection, where the draft's first choice is right least often, so more of its candidates pay
+        self.near_root = tuple(near_root)
         self.max_depth = max_depth
         self.calib = calibrator or Calibrator(top_k=top_k)
         self.batch = batch
@@ -222,16 +225,39 @@ class TreeBuilder:
             results = expand(pool, batch)
             d_seconds += self.draft(len(batch))
             calls.append(len(batch))
+            bar = self._admission_bar(pool)
             for node, (toks, probs) in zip(batch, results, strict=True):
                 expanded.add(node)
-                if len(toks) > self.top_k:  # candidates beyond top_k are shadows, never tree nodes
-                    pool.shadows[node] = [int(t) for t in list(toks)[self.top_k :]]
+                k = self.children(pool.depths[node])
+                if len(toks) > k:  # candidates beyond a node's children are shadows, never tree nodes
+                    pool.shadows[node] = [int(t) for t in list(toks)[k:]]
                 self.calib.observe_children(list(probs)[: self.top_k])
-                for rank, (tok, p) in enumerate(list(zip(toks, probs, strict=True))[: self.top_k]):
-                    pool.add(node, int(tok), float(p), pool.gains[node] * self.calib(float(p), rank))
+                for rank, (tok, p) in enumerate(list(zip(toks, probs, strict=True))[:k]):
+                    gain = pool.gains[node] * self.calib(float(p), rank)
+                    if gain > bar:
+                        pool.add(node, int(tok), float(p), gain)
         sel = select(pool.gains, pool.depths, self.verify, d_seconds)
         tree, index = pool.subtree(sel.nodes)
         return BuildResult(pool, sel, tree, index, calls, d_seconds, trace)
+
+    def children(self, depth: int) -> int:
+        """How many candidates a node at `depth` proposes as children."""
+        return self.near_root[depth] if depth < len(self.near_root) else self.top_k
+
+    @property
+    def most_children(self) -> int:
+        return max(self.top_k, *self.near_root) if self.near_root else self.top_k
+
+    def _admission_bar(self, pool: Tree) -> float:
+        """The gain a new node must beat to be worth keeping: once the pool holds as many nodes as the
+        widest verify graph has rows beside the root, a node below the smallest of the best of them
+        can never be selected (the pool only grows, and a node's descendants gain less than it), so
+        it is not added; wide near-root nodes would otherwise fill the pool with hopeless tails."""
+        rows = max(self.verify.by_width) - 1
+        gains = np.asarray(pool.gains[1:], np.float64)
+        if len(gains) < rows:
+            return 0.0
+        return float(np.partition(gains, len(gains) - rows)[len(gains) - rows])
 
     def learn(self, pool: Tree, path: Sequence[int], next_token: int) -> None:
         """Calibrate on one verification: the target's choice at every accepted node is known

@@ -152,6 +152,42 @@ def test_draft_rows_bound_the_expansions_not_the_pool():
     assert max(res.pool.depths) >= 3  # cheap drafting went deep within its 6 rows
 
 
+def test_near_root_nodes_propose_more_children():
+    """near_root sets the children of the root (and the next depths); deeper nodes keep top_k and hand
+    their further candidates on as shadows."""
+    rng = np.random.default_rng(5)
+    full = synthetic_tree(rng, branching=6, depth=3)
+    b = builder(0.001, full, top_k=2)
+    b.near_root = (6, 4)
+    res = b.build(0, synthetic_expand(full))
+    pool = res.pool
+    assert len(pool.children(0)) == 6
+    by_depth = {}
+    for u in range(1, len(pool)):
+        if pool.children(u):
+            by_depth.setdefault(pool.depths[u], set()).add(len(pool.children(u)))
+    assert by_depth[1] <= {4} and by_depth.get(2, {2}) <= {2}, by_depth
+    assert all(len(v) == 6 - len(pool.children(u)) for u, v in pool.shadows.items())
+
+
+def test_admission_bar_keeps_the_pool_small_and_the_selection():
+    """A node that cannot beat the widest graph's worst selected gain is never selected, nor are its
+    descendants: leaving it out of the pool keeps the pool small and the chosen tree the same."""
+    rng = np.random.default_rng(11)
+    full = synthetic_tree(rng, branching=6, depth=3)
+    with_bar = builder(0.001, full, top_k=6).build(0, synthetic_expand(full))
+    b = builder(0.001, full, top_k=6)
+    b._admission_bar = lambda pool: 0.0
+    without = b.build(0, synthetic_expand(full))
+    assert len(with_bar.pool) < len(without.pool)
+    assert with_bar.selection.rate == pytest.approx(without.selection.rate, rel=1e-9)
+
+    def paths(res):  # the selected nodes by their token paths (pool indices differ between the two)
+        return sorted(tuple(res.pool.tokens[i] for i in res.pool.path(x)) for x in res.selection.nodes)
+
+    assert paths(with_bar) == paths(without)
+
+
 def test_ancestor_mask_and_positions_against_reference():
     from toolchain.artifact.layout import StepLayout
     from toolchain.runtime.cache import KVCache
