@@ -8,8 +8,8 @@ draft) takes the head's own `hidden` of that previous row instead.
 
 Rows computed from the head's own features are redone once the target has committed their
 positions: before the next call, the head's cache is rolled back to the first such row and those
-tokens are fed again with the target's features, in one call (EAGLE's way of keeping the draft
-cache on the target's features).
+tokens are fed again with the target's features, in the same call as the tokens fed next (EAGLE's
+way of keeping the draft cache on the target's features).
 
 Logits come out over the draft vocabulary; they are scattered into the target's vocabulary (every
 other token at MASK_MIN), so a policy sees the same shape from any draft.
@@ -87,17 +87,21 @@ class HeadDraft:
             return self.target_features[prev]
         return self._own.get(prev)
 
-    def _redo_guessed(self) -> None:
-        """Feed again, with the target's features, the rows that used the head's own ones."""
+    def _redo_guessed(self) -> list[int]:
+        """Roll back to the first row that used one of the head's own features, where the target has
+        committed since; returns the tokens to feed again (with the target's features). Rows past the
+        target's text (a draft running ahead, as in ahasd) are run again here, after those."""
         top = min(self.head.length, self.target.length + 1)
         if self.guessed_from >= top:
-            return
+            return []
         start, redo = self.guessed_from, self.tokens[self.guessed_from : top]
         keep_tail = self.tokens[top:]
         self.truncate(start)
-        self._run(redo)
         if keep_tail:
+            self._run(redo)
             self._run(keep_tail)
+            return []
+        return redo
 
     # ---- calls ------------------------------------------------------------------------------
     def _run(self, tokens: Sequence[int]) -> np.ndarray:
@@ -144,8 +148,8 @@ class HeadDraft:
         return self._full(self._run(ids)[-1])
 
     def feed(self, tokens: Sequence[int]) -> np.ndarray:
-        self._redo_guessed()
-        return self._full(self._run(tokens)[-1])
+        # the redone rows and the new tokens all read the target's features: one call, not two
+        return self._full(self._run([*self._redo_guessed(), *tokens])[-1])
 
     def reset(self, stats: bool = True) -> None:
         self.head.reset(stats)

@@ -91,8 +91,10 @@ def test_rows_drafted_on_the_heads_own_features_are_redone_once_the_target_commi
     assert draft.guessed_from == len(ids) + 1
     target.forward([pending, d1, d2])  # the target accepts both drafts (whatever they are)
     target.commit([0, 1, 2])
+    before = sum(draft.calls.values())
     draft.feed([d2])
     assert draft.guessed_from == draft.length  # nothing guessed is left
+    assert sum(draft.calls.values()) == before + 1  # the redone row and d2's row share one call
     fresh = HeadDraft(StepModel(head_dir), target)
     fresh.target_features[:] = draft.target_features
     fresh.heard = draft.heard
