@@ -158,6 +158,7 @@ class TreeBuilder:
         self.top_k = top_k
         # children proposed by a node at depth d < len(near_root) (top_k deeper): a cycle's root follows
         # a rejection, where the draft's first choice is right least often, so more of its candidates pay
+        # (their ranks past top_k share the calibrator's last rank bin)
         self.near_root = tuple(near_root)
         self.max_depth = max_depth
         self.calib = calibrator or Calibrator(top_k=top_k)

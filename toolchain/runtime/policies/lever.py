@@ -55,7 +55,8 @@ class LeverConfig:
     # children proposed at depths 0, 1 (top_k deeper): a cycle's root follows a rejection, where the
     # head's first choice is right least often (29-44% there against ~40-50% over all positions).
     # On 24 prompts outside the bench set (HumanEval 20-31, 12 chat requests) it cut lever+lookup's
-    # cycles by 3.0% and lever+cpu+lookup's by 4.6%; on 6 bench prompts (64,), (32,), (16,) did less
+    # cycles by 3.0% and lever+cpu+lookup's by 4.6%; on 6 bench prompts (64,), (32,), (16,) did less.
+    # The 44 bench prompts: lever+lookup 3.54 -> 3.82 tokens per cycle, phone 3.25x -> 3.47x Flash-AR
     near_root: tuple[int, ...] = (32, 16)
     shadows: int = 4  # extra draft candidates per expanded node, for predictor normalization
 
