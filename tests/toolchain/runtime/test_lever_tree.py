@@ -159,6 +159,7 @@ def test_near_root_nodes_propose_more_children():
     full = synthetic_tree(rng, branching=6, depth=3)
     b = builder(0.001, full, top_k=2)
     b.near_root = (6, 4)
+    b._admission_bar = lambda pool: 0.0  # every proposed child joins the pool (the bar is tested below)
     res = b.build(0, synthetic_expand(full))
     pool = res.pool
     assert len(pool.children(0)) == 6
