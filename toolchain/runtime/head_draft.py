@@ -89,18 +89,14 @@ class HeadDraft:
 
     def _redo_guessed(self) -> list[int]:
         """Roll back to the first row that used one of the head's own features, where the target has
-        committed since; returns the tokens to feed again (with the target's features). Rows past the
-        target's text (a draft running ahead, as in ahasd) are run again here, after those."""
+        committed since, and return the tokens rolled back, to feed again: `_run` gives each row the
+        target's feature where it has one and starts a new call at the first row past the target's
+        text (a draft running ahead, as in ahasd), so those rows still draft on the head's own."""
         top = min(self.head.length, self.target.length + 1)
         if self.guessed_from >= top:
             return []
-        start, redo = self.guessed_from, self.tokens[self.guessed_from : top]
-        keep_tail = self.tokens[top:]
-        self.truncate(start)
-        if keep_tail:
-            self._run(redo)
-            self._run(keep_tail)
-            return []
+        redo = self.tokens[self.guessed_from :]
+        self.truncate(self.guessed_from)
         return redo
 
     # ---- calls ------------------------------------------------------------------------------

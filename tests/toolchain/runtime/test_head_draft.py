@@ -104,6 +104,21 @@ def test_rows_drafted_on_the_heads_own_features_are_redone_once_the_target_commi
         np.testing.assert_allclose(mine[..., : draft.length], ref[..., : draft.length], atol=1e-5)
 
 
+def test_a_redo_keeps_the_rows_the_head_ran_past_the_targets_text(world):
+    """The head drafted two tokens past what the target has committed (as ahasd's drafter does): the
+    redo reruns the committed row with the target's feature and keeps the row past it."""
+    target, draft, ids, pending = prefilled(world, PROMPTS[1])
+    d1 = int(np.argmax(draft.feed([pending])))
+    d2 = int(np.argmax(draft.feed([d1])))
+    d3 = int(np.argmax(draft.feed([d2])))
+    draft.feed([d3])
+    target.forward([pending, d1])
+    target.commit([0, 1])  # the target has pending and d1; d3's row reads d2's, which it has not
+    draft.feed([7])
+    assert draft.tokens == [*ids, pending, d1, d2, d3, 7]
+    assert draft.guessed_from == len(ids) + 3  # d3's row still read the head's own feature
+
+
 def test_lever_drafts_trees_with_a_head_and_generates_ars_tokens(world):
     _, target_dir, head_dir = world
     target = StepModel(target_dir)
