@@ -247,7 +247,7 @@ class TreeBuilder:
 
     @property
     def most_children(self) -> int:
-        return max(self.top_k, *self.near_root) if self.near_root else self.top_k
+        return max((self.top_k, *self.near_root))
 
     def _admission_bar(self, pool: Tree) -> float:
         """The gain a new node must beat to be worth keeping: once the pool holds as many nodes as the
