@@ -12,7 +12,8 @@ file. So besides stdlib windows, the head trains on the target's own answers to:
 - general-topic chat requests the target writes itself (`self_chat_requests`, Magpie: an aligned
   chat model given its template up to the user's turn writes a plausible user request). Code-derived
   requests alone taught the head code-flavoured answers; the target's own requests cover the topics
-  a chat app is asked about (travel, planning, advice, writing) in the target's own words.
+  a chat app is asked about (travel, planning, advice, writing) in the target's own words; with
+  `REQUEST_OPENERS` each batch starts its requests with a common instruction verb or question word.
 
 Everything is real text from installed packages or the target itself; nothing downloads.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ast
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,33 +95,46 @@ def _user_turn_prefix(tokenizer: Any) -> str | None:
     return text.split(mark)[0] if isinstance(text, str) and mark in text else None
 
 
+# Openers a self-written request may be made to start with (`--self-chat-openers`): the common root verbs
+# and question words of instruction datasets (Self-Instruct's analysis of its tasks). Left alone, the
+# target asks mostly for advice and plans; an opener makes it also write the other kinds of request a
+# chat app gets (writing, roleplay, arithmetic, extraction), still in its own words. "" leaves it free.
+REQUEST_OPENERS = ("", "Write", "Explain", "Describe", "Create", "Give", "List", "Summarize", "Suggest", "Compare",
+                   "Solve", "Calculate", "Imagine", "Pretend", "Rewrite", "Classify", "Identify", "How", "What", "Why")
+
+
 @torch.no_grad()
 def self_chat_requests(teacher: Any, tokenizer: Any, n: int, seed: int, batch: int = 32, max_tokens: int = 64,
-                       seconds: float = float("inf")) -> list[str]:
+                       seconds: float = float("inf"), openers: tuple[str, ...] = ("",),
+                       log: Callable[[str], None] | None = None) -> list[str]:
     """Up to `n` distinct user requests the target writes itself (Magpie).
 
     The target continues its chat template's user-turn prefix, sampled (temperature 1, top-p 0.95,
     seeded); a request is kept when it ends its turn (end-of-text) within `max_tokens` and has a few
-    words. Sampling, not greedy: the requests must differ from each other."""
+    words. Sampling, not greedy: the requests must differ from each other. Batch i starts every request
+    with `openers[i % len(openers)]` (the opener is part of the request)."""
     prefix = _user_turn_prefix(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     eos = getattr(tokenizer, "eos_token_id", None)
     if prefix is None or eos is None or n <= 0:
         return []
-    ids = torch.tensor([tokenizer(prefix, add_special_tokens=False).input_ids])
     t0, out, seen = time.perf_counter(), [], set()
     with torch.random.fork_rng():
         torch.manual_seed(seed + 23)
-        for _ in range(4 * (n // batch + 1)):  # bounded: a target that rarely ends its turn gives fewer
+        for i in range(4 * (n // batch + 1)):  # bounded: a target that rarely ends its turn gives fewer
+            opener = openers[i % len(openers)]
+            ids = torch.tensor([tokenizer(prefix + opener, add_special_tokens=False).input_ids])
             x = ids.expand(batch, -1)
             seq = teacher.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=True,
                                    temperature=1.0, top_p=0.95, top_k=0, pad_token_id=eos, eos_token_id=eos)
             for row in seq[:, ids.shape[1]:].tolist():
                 if eos not in row:
                     continue  # ran out of tokens mid-request
-                text = tokenizer.decode(row[: row.index(eos)], skip_special_tokens=True).strip()
+                text = (opener + tokenizer.decode(row[: row.index(eos)], skip_special_tokens=True)).strip()
                 if len(text.split()) >= 4 and text not in seen:
                     seen.add(text)
                     out.append(text)
+            if log:
+                log(f"self-written chat requests: {min(len(out), n)}/{n} ({time.perf_counter() - t0:.0f} s)")
             if len(out) >= n or time.perf_counter() - t0 > seconds:
                 break
     return out[:n]
@@ -127,7 +142,8 @@ def self_chat_requests(teacher: Any, tokenizer: Any, n: int, seed: int, batch: i
 
 @torch.no_grad()
 def prompt_continuations(teacher: Any, prompts: list[list[int]], seq_len: int, keep_prompt: int, batch: int,
-                         seconds: float, pad_id: int = 0, max_prompt: int = 256, min_prompt: int = 8) -> torch.Tensor:
+                         seconds: float, pad_id: int = 0, max_prompt: int = 256, min_prompt: int = 8,
+                         log: Callable[[str], None] | None = None) -> torch.Tensor:
     """[n, seq_len] windows: each prompt's last `keep_prompt` tokens (all of a shorter prompt) and the
     target's greedy answer filling the rest of the window.
 
@@ -150,6 +166,8 @@ def prompt_continuations(teacher: Any, prompts: list[list[int]], seq_len: int, k
         seq = teacher.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                do_sample=False, pad_token_id=pad_id)
         out.extend(seq[r, width - k : width - k + seq_len] for r, k in enumerate(kept))
+        if log:
+            log(f"answers: {len(out)}/{len(prompts)} windows ({time.perf_counter() - t0:.0f} s)")
         if time.perf_counter() - t0 > seconds:
             break
     return torch.stack(out) if out else torch.zeros(0, seq_len, dtype=torch.long)

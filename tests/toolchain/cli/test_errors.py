@@ -140,7 +140,8 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     """A budget share that leaves the teacher pass and the training nothing is refused at once."""
     out = tmp_path / "head"
     for args, named in ((("--app-share", "0.9"), "--app-share 0.9"), (("--self-chat", "-1"), "--self-chat -1"),
-                        (("--unroll", "0"), "--unroll 0")):
+                        (("--unroll", "0"), "--unroll 0"), (("--precision", "fp16"), "--precision 'fp16'"),
+                        (("--answer-batch", "0"), "--answer-batch 0"), (("--generate-only",), "--onpolicy-cache FILE")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)
         assert r.clean_error, r.err
         assert named in r.err

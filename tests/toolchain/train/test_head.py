@@ -17,8 +17,11 @@ from toolchain.train.head import (
     HeadConfig,
     cached_onpolicy,
     draft_vocabulary,
+    generate_onpolicy,
     train_head,
+    training_loss,
 )
+from toolchain.train.head_model import DraftHead
 
 
 def test_draft_vocabulary_keeps_the_most_frequent_tokens_and_eos():
@@ -88,3 +91,56 @@ def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
     torch.save(torch.zeros(3), junk)  # a loadable file of another kind
     with pytest.raises(DraftTrainError, match="not a cache this command wrote"):
         cached_onpolicy(HeadConfig(onpolicy_cache=str(junk)), "t", lambda _m: None, lambda: _windows(0))
+
+
+def test_the_cache_stores_int32_token_ids_and_hands_back_int64(tmp_path):
+    cache = tmp_path / "onpolicy.pt"
+    cached_onpolicy(HeadConfig(onpolicy_cache=str(cache)), "t", lambda _m: None, lambda: _windows(0))
+    saved = torch.load(cache, weights_only=True)
+    assert saved["app"].dtype == torch.int32 and saved["held_sets"]["app"].dtype == torch.int32  # half the bytes
+    again, read = cached_onpolicy(HeadConfig(onpolicy_cache=str(cache)), "t", lambda _m: None, lambda: {})
+    assert read and again["app"].dtype == torch.int64 and again["held_sets"]["app"].dtype == torch.int64
+    assert again["app"].tolist() == _windows(0)["app"].tolist()
+
+
+def test_a_cache_written_before_a_setting_existed_reads_as_that_settings_default(tmp_path):
+    cache = tmp_path / "onpolicy.pt"
+    cached_onpolicy(HeadConfig(onpolicy_cache=str(cache)), "t", lambda _m: None, lambda: _windows(0))
+    saved = torch.load(cache, weights_only=True)
+    del saved["key"]["self_chat_openers"]  # as the shipped head's cache was written
+    torch.save(saved, cache)
+    assert cached_onpolicy(HeadConfig(onpolicy_cache=str(cache)), "t", lambda _m: None, lambda: {})[1]
+    with pytest.raises(DraftTrainError, match=r"--self-chat-openers False \(this run: True\)"):
+        cached_onpolicy(HeadConfig(onpolicy_cache=str(cache), self_chat_openers=True), "t", lambda _m: None,
+                        lambda: {})
+
+
+def test_generate_only_writes_the_cache_a_training_run_then_reads(tmp_path):
+    hf = save_tiny(tmp_path / "hf", "llama")
+    recipe = write_recipe(tmp_path / "t.yaml", hf)
+    cfg = HeadConfig(corpus_tokens=4096, generated_windows=2, held_out_windows=1, seq_len=64, prompt_len=16,
+                     answer_batch=8, onpolicy_cache=str(tmp_path / "gen.pt"))
+    said: list[str] = []
+    counts = generate_onpolicy(recipe, cfg, log=said.append)
+    assert counts["app_windows"] > 0 and counts["stdlib_continuations"] == 2
+    assert any(m.startswith("answers: ") for m in said)  # generation reports its progress
+    with pytest.raises(DraftTrainError, match="--onpolicy-cache"):
+        generate_onpolicy(recipe, HeadConfig(), log=said.append)
+    report = train_head(recipe, tmp_path / "head", HeadConfig(**{**cfg.__dict__, "minutes": 0.2, "draft_vocab": 64}),
+                        log=said.append)
+    assert report["app_windows"] == counts["app_windows"]
+    assert any("generation skipped" in m for m in said)
+
+
+def test_bf16_training_runs_the_loss_in_bf16_close_to_fp32(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "hf", "llama")).float().eval()
+    torch.manual_seed(0)
+    head = DraftHead(target, torch.arange(64), init_layer=None)
+    windows = torch.randint(0, 64, (2, 16))
+    states = torch.randn(2, 16, target.config.hidden_size)
+    fp32 = training_loss(head, windows, states, HeadConfig(precision="fp32")).item()
+    bf16 = training_loss(head, windows, states, HeadConfig(precision="bf16"))
+    assert bf16.dtype == torch.float32  # the loss itself is reduced in fp32
+    assert bf16.item() != fp32 and abs(bf16.item() - fp32) < 0.02 * abs(fp32)  # bf16 matmuls, same loss

@@ -67,3 +67,18 @@ def test_answers_fill_the_window_after_the_whole_of_a_short_prompt():
 
 def test_interleave_takes_one_of_each_until_each_runs_out():
     assert interleave([1, 2, 3], ["a"], [10, 20]) == [1, "a", 10, 2, 20, 3]
+
+
+def test_openers_start_each_batch_of_requests_in_turn():
+    tok = _chat_tokenizer()
+    model = _eos_prone(tok)
+    said: list[str] = []
+    asked, generate = [], model.generate
+    model.generate = lambda x, **kw: asked.append(tok.decode(x[0])) or generate(x, **kw)
+    reqs = self_chat_requests(model, tok, 40, seed=0, batch=8, max_tokens=48, openers=("alpha", "beta"),
+                              log=said.append)
+    starts = [next((o for o in ("alpha", "beta") if r.startswith(o)), None) for r in reqs]
+    assert reqs and None not in starts  # the opener is part of the request
+    assert set(starts) == {"alpha", "beta"}
+    assert [a[-5:] for a in asked[:3]] == ["alpha", "\nbeta", "alpha"]  # the target continues each batch's opener
+    assert said and said[-1].startswith(f"self-written chat requests: {len(reqs)}/40")
