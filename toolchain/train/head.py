@@ -166,7 +166,8 @@ CACHE_KEYS = ("seq_len", "prompt_len", "seed", "held_out_windows", "generated_wi
               "self_chat", "self_chat_openers")
 
 
-CACHE_OPTIONS = ("seed", "self_chat", "self_chat_openers")  # the cache keys `mobc train draft --kind head` takes as options
+# the cache keys `mobc train draft --kind head` takes as options
+CACHE_OPTIONS = ("seed", "self_chat", "self_chat_openers")
 
 
 def _setting(key: str) -> str:
@@ -243,7 +244,8 @@ def generate_onpolicy(recipe_path: Path, cfg: HeadConfig, log: Callable[[str], N
     if not cfg.onpolicy_cache:
         raise DraftTrainError("--generate-only writes the on-policy windows to --onpolicy-cache FILE; give that file")
     target, tok, name, source, train, held = _target_and_text(recipe_path, cfg)
-    data, _ = cached_onpolicy(cfg, f"{name} ({source})", log, lambda: onpolicy_data(target, tok, train, held, cfg, float("inf"), log))
+    data, _ = cached_onpolicy(cfg, f"{name} ({source})", log,
+                              lambda: onpolicy_data(target, tok, train, held, cfg, float("inf"), log))
     return {"app_windows": len(data["app"]), "stdlib_continuations": len(data["gen"]),
             "self_chat_requests": len(data["requests"]),
             "held_out_windows": len(data["gen_held"]) + sum(len(v) for v in data["held_sets"].values())}
@@ -254,7 +256,8 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     budget = cfg.minutes * 60
     target, tok, name, source, train, held = _target_and_text(recipe_path, cfg)
     w_train = token_windows(train, cfg.seq_len)
-    data, read = cached_onpolicy(cfg, f"{name} ({source})", log, lambda: onpolicy_data(target, tok, train, held, cfg, budget, log))
+    data, read = cached_onpolicy(cfg, f"{name} ({source})", log,
+                                 lambda: onpolicy_data(target, tok, train, held, cfg, budget, log))
     gen, gen_held, app, requests, held_sets = (data[k] for k in ("gen", "gen_held", "app", "requests", "held_sets"))
     log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows "
         f"({len(requests)} self-written chat requests), {len(gen_held)} + "
