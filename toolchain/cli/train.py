@@ -18,7 +18,8 @@ app = typer.Typer(no_args_is_help=True, help="Train helper models for the runtim
 @app.command("draft")
 def train_draft(
     recipe: Path = typer.Argument(..., help="the target's recipe, e.g. recipes/smollm2-135m.yaml"),
-    out: Path = typer.Option(..., "--out", help="folder for the draft (Hugging Face save_pretrained layout)"),
+    out: Path | None = typer.Option(None, "--out", help="folder for the draft (Hugging Face save_pretrained layout; "
+                                    "not needed with --generate-only)"),
     layers: str = typer.Option("6", "--layers", help="k (first k-1 layers + last) or indices like 0-4,29"),
     minutes: float | None = typer.Option(None, "--minutes", help="wall-clock budget of the distillation loop "
                                          "(default 4; --kind head: of the whole command, default 20)"),
@@ -58,6 +59,8 @@ def train_draft(
     or (--kind head) train a draft head that reads the target's features."""
     from toolchain.compile.recipe import load_recipe
 
+    if out is None and not (kind == "head" and generate_only):
+        raise MobcError("--out DIR: give the folder the draft is written to")
     if kind == "head":
         _train_head(recipe, out, minutes, seed, app_share, self_chat, onpolicy_cache, unroll,
                     self_chat_openers=self_chat_openers, answer_batch=answer_batch, precision=precision,
@@ -87,7 +90,7 @@ def train_draft(
         console.print(f"wrote {recipe_out}; compile it with mobc compile {recipe_out}")
 
 
-def _train_head(recipe: Path, out: Path, minutes: float | None, seed: int, app_share: float | None,
+def _train_head(recipe: Path, out: Path | None, minutes: float | None, seed: int, app_share: float | None,
                 self_chat: int | None, onpolicy_cache: Path | None, unroll: int | None, *, self_chat_openers: bool,
                 answer_batch: int | None, precision: str, generate_only: bool) -> None:
     from toolchain.train.head import HEAD_FILE, HELD_OUT_SETS, HeadConfig, generate_onpolicy, train_head

@@ -146,3 +146,7 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
         assert r.clean_error, r.err
         assert named in r.err
     assert not out.exists()
+    r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head")
+    assert r.clean_error and "--out DIR" in r.err
+    r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--generate-only")
+    assert r.clean_error and "--onpolicy-cache FILE" in r.err  # generation alone writes no draft: no --out needed
