@@ -95,10 +95,12 @@ def _user_turn_prefix(tokenizer: Any) -> str | None:
     return text.split(mark)[0] if isinstance(text, str) and mark in text else None
 
 
-# Openers a self-written request may be made to start with (`--self-chat-openers`): the common root verbs
-# and question words of instruction datasets (Self-Instruct's analysis of its tasks). Left alone, the
-# target asks mostly for advice and plans; an opener makes it also write the other kinds of request a
-# chat app gets (writing, roleplay, arithmetic, extraction), still in its own words. "" leaves it free.
+# Openers a self-written request may be made to start with (`--self-chat-openers`): common root verbs and
+# question words of instruction datasets (as in Self-Instruct's analysis of its tasks), with a few for the
+# request kinds MT-bench groups chat into (roleplay: Pretend, Imagine; math: Solve, Calculate). Left alone,
+# the target asks mostly for advice and plans; an opener makes it also write the other kinds of request a
+# chat app gets, still in its own words. "" leaves it free. (The held-out chat requests are the first ones
+# written, i.e. the free batch's.)
 REQUEST_OPENERS = ("", "Write", "Explain", "Describe", "Create", "Give", "List", "Summarize", "Suggest", "Compare",
                    "Solve", "Calculate", "Imagine", "Pretend", "Rewrite", "Classify", "Identify", "How", "What", "Why")
 
