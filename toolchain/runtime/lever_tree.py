@@ -30,8 +30,9 @@ import numpy as np
 
 from toolchain.runtime.tree import Tree
 
-# expand(tree, nodes) -> per node: (candidate tokens, their draft probabilities), best first
-ExpandFn = Callable[[Tree, list[int]], list[tuple[Sequence[int], Sequence[float]]]]
+# expand(tree, nodes) -> per node: (candidate tokens, their draft probabilities), best first, and
+# optionally a third item: a chain to hang under one of the candidates (a lookup run, see lookup.Run)
+ExpandFn = Callable[[Tree, list[int]], list[tuple]]
 
 
 @dataclass
@@ -188,8 +189,10 @@ class TreeBuilder:
         rows_left = len(pool) if self.max_rows is None else self.max_rows - len(expanded)
         if len(pool) >= self.max_nodes or rows_left <= 0:
             return [], record
-        open_ = depths < self.max_depth
-        open_[list(expanded)] = False
+        ran = np.zeros(len(pool), bool)
+        ran[list(expanded)] = True
+        open_ = (depths < self.max_depth) & ~ran
+        open_[1:] &= ran[np.asarray(pool.parents[1:], np.intp)]  # a head reads its parent row (hung runs)
         elig = [0] if open_[0] else []  # the root first, then by gain (parents before children on ties)
         rest = np.flatnonzero(open_[1:]) + 1
         elig += rest[np.lexsort((rest, depths[rest], -gains[rest]))].tolist()
@@ -207,6 +210,7 @@ class TreeBuilder:
 
     def build(self, root_token: int, expand: ExpandFn) -> BuildResult:
         pool = Tree.root(root_token)
+        kids: dict[tuple[int, int], int] = {}  # (parent, token) -> node: a token is a node's child once
         expanded: set[int] = set()
         d_seconds = 0.0
         calls: list[int] = []
@@ -227,7 +231,7 @@ class TreeBuilder:
             d_seconds += self.draft(len(batch))
             calls.append(len(batch))
             bar = self._admission_bar(pool)
-            for node, (toks, probs) in zip(batch, results, strict=True):
+            for node, (toks, probs, *run) in zip(batch, results, strict=True):
                 expanded.add(node)
                 k = self.children(pool.depths[node])
                 if len(toks) > k:  # candidates beyond a node's children are shadows, never tree nodes
@@ -235,11 +239,31 @@ class TreeBuilder:
                 self.calib.observe_children(list(probs)[: self.top_k])
                 for rank, (tok, p) in enumerate(list(zip(toks, probs, strict=True))[:k]):
                     gain = pool.gains[node] * self.calib(float(p), rank)
-                    if gain > bar:
-                        pool.add(node, int(tok), float(p), gain)
+                    if gain > bar and (node, int(tok)) not in kids:  # a hung run may hold it already
+                        kids[node, int(tok)] = pool.add(node, int(tok), float(p), gain)
+                if run and run[0] is not None:
+                    self._hang(pool, kids, node, run[0], bar)
         sel = select(pool.gains, pool.depths, self.verify, d_seconds)
         tree, index = pool.subtree(sel.nodes)
         return BuildResult(pool, sel, tree, index, calls, d_seconds, trace)
+
+    def _hang(self, pool: Tree, kids: dict[tuple[int, int], int], node: int, run, bar: float) -> None:
+        """Hang a lookup run under `node`'s child `run.token`: a chain of nodes no draft call proposed
+        (each gains the calibrated run confidence over its parent), until one would not be admitted."""
+        c = kids.get((node, run.token))
+        if c is None:
+            return
+        q = self.calib(run.p, 0)
+        for tok in run.after:
+            if pool.depths[c] >= self.max_depth:
+                return
+            nxt = kids.get((c, tok))
+            if nxt is None:
+                gain = pool.gains[c] * q
+                if gain <= bar:
+                    return
+                nxt = kids[c, tok] = pool.add(c, tok, run.p, gain)
+            c = nxt
 
     def children(self, depth: int) -> int:
         """How many candidates a node at `depth` proposes as children."""

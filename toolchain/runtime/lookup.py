@@ -24,10 +24,13 @@ from toolchain.runtime.policies.sampling import log_partition
 class Proposal:
     token: int
     match: int  # length of the matched suffix
+    after: tuple[int, ...] = ()  # the tokens that followed `token` there (with propose's `follow`)
 
 
-def propose(tokens: Sequence[int] | np.ndarray, min_match: int = 2, max_match: int = 8) -> Proposal | None:
-    """The continuation of the longest (then most recent) earlier occurrence of the suffix."""
+def propose(tokens: Sequence[int] | np.ndarray, min_match: int = 2, max_match: int = 8,
+            follow: int = 0) -> Proposal | None:
+    """The continuation of the longest (then most recent) earlier occurrence of the suffix, and up to
+    `follow` of the tokens after it."""
     arr = np.asarray(tokens, dtype=np.int64)
     n = len(arr)
     if n <= min_match:
@@ -50,7 +53,7 @@ def propose(tokens: Sequence[int] | np.ndarray, min_match: int = 2, max_match: i
     if best < min_match:
         return None
     j = int(ends[np.flatnonzero(match == best)[-1]])
-    return Proposal(int(arr[j + 1]), best)
+    return Proposal(int(arr[j + 1]), best, tuple(arr[j + 2 : j + 2 + follow].tolist()))
 
 
 def blend(logits: np.ndarray, proposal: Proposal | None, p: float) -> np.ndarray:
@@ -86,6 +89,15 @@ def confidence(match: int) -> float:
     return CONFIDENCE.get(match, CONFIDENCE_LONG if match > max(CONFIDENCE) else 0.5)
 
 
+@dataclass(frozen=True)
+class Run:
+    """A lookup proposal as a chain: `token`, then the tokens that followed it, each with `p`."""
+
+    token: int
+    after: tuple[int, ...]
+    p: float
+
+
 class LookupDraft:
     """A draft model whose distribution also proposes the context's own continuation.
 
@@ -94,11 +106,13 @@ class LookupDraft:
     text into every logits row it returns. The wrapped draft still runs every token, so its cache
     and features stay exact."""
 
-    def __init__(self, inner, min_match: int = 2, max_match: int = 8):
+    def __init__(self, inner, min_match: int = 2, max_match: int = 8, follow: int = 32):
         self.inner = inner
         self.min_match, self.max_match = min_match, max_match
+        self.follow = follow  # tokens after a proposal a tree drafter may hang under it (LookupTree)
         self.tokens: list[int] = []
         self.proposals = 0  # rows whose distribution carried a lookup proposal
+        self.last: Proposal | None = None  # the latest row's proposal
 
     def __getattr__(self, name: str):  # everything else is the wrapped draft's (cache, widths, calls, ...)
         return getattr(self.inner, name)
@@ -108,7 +122,7 @@ class LookupDraft:
         return getattr(self.inner, "step_model", self.inner)
 
     def blended(self, logits: np.ndarray, context: Sequence[int]) -> np.ndarray:
-        prop = propose(context, self.min_match, self.max_match)
+        self.last = prop = propose(context, self.min_match, self.max_match, self.follow)
         if prop is None:
             return logits
         self.proposals += 1
@@ -138,12 +152,18 @@ class LookupDraft:
 
 
 class LookupTree:
-    """Lever's tree drafter with lookup: a node's context is the committed text plus its path."""
+    """Lever's tree drafter with lookup: a node's context is the committed text plus its path.
+
+    A proposal also brings the tokens that followed it in the context (`runs`): a tree builder may
+    hang them under the proposed child as a chain of nodes no draft call proposed, so a long repeat
+    is drafted at once instead of one level per call (each chain node becomes expandable once its
+    parent has run)."""
 
     def __init__(self, inner, draft: LookupDraft):
         self.inner, self.draft = inner, draft
         self.committed: list[int] = []
         self._tree = None  # the tree of the cycle's last expand (finish reads its tokens)
+        self.runs: dict[int, Run] = {}  # node -> its lookup proposal's run, for the latest start/expand
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -152,7 +172,15 @@ class LookupTree:
         logits = self.inner.start(todo)
         self.draft.tokens.extend(todo)
         self.committed = list(self.draft.tokens)
-        return self.draft.blended(logits, self.committed)
+        out = self.draft.blended(logits, self.committed)
+        self.runs = {}
+        self._keep_run(0)
+        return out
+
+    def _keep_run(self, node: int) -> None:
+        prop = self.draft.last
+        if prop is not None and prop.after:
+            self.runs[node] = Run(prop.token, prop.after, confidence(prop.match))
 
     def _path(self, tree, node: int) -> list[int]:
         out = []
@@ -164,8 +192,11 @@ class LookupTree:
     def expand(self, tree, nodes: list[int]) -> np.ndarray:
         self._tree = tree
         rows = self.inner.expand(tree, nodes)
-        return np.stack([self.draft.blended(r, self.committed + self._path(tree, x))
-                         for r, x in zip(rows, nodes, strict=True)])
+        out = []
+        for r, x in zip(rows, nodes, strict=True):
+            out.append(self.draft.blended(r, self.committed + self._path(tree, x)))
+            self._keep_run(x)
+        return np.stack(out)
 
     def finish(self, path: Sequence[int]) -> int:
         kept = self.inner.finish(path)  # the accepted path's first `kept` nodes stay in the draft cache

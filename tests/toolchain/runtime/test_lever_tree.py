@@ -189,6 +189,41 @@ def test_admission_bar_keeps_the_pool_small_and_the_selection():
     assert paths(with_bar) == paths(without)
 
 
+def test_a_lookup_run_hangs_as_a_chain_expanded_only_below_nodes_that_ran():
+    """A run offered with a node's candidates becomes a chain under the proposed child without a draft
+    call (each link gains the calibrated run confidence); a chain node is expanded only once its parent
+    has run, and when that parent's candidates repeat the chain's token, no second child is added."""
+    from toolchain.runtime.lookup import Run
+
+    calib = Calibrator(top_k=2)
+    calib.identity = True
+    b = TreeBuilder(VERIFY, StepCost({1: 1e-4, 8: 1.1e-4}), top_k=2, max_depth=8, calibrator=calib)
+    calls: list[list[int]] = []
+    depth_seen: list[int] = []  # the pool's depth when each draft call starts
+
+    def expand(pool: Tree, nodes: list[int]):
+        calls.append(list(nodes))
+        depth_seen.append(max(pool.depths))
+        for x in nodes:
+            assert x == 0 or pool.parents[x] in {n for c in calls[:-1] for n in c}, "expanded before its parent ran"
+        out = []
+        for x in nodes:
+            toks = [pool.tokens[x] + 1, pool.tokens[x] + 50]  # the run's next token is the best candidate
+            out.append((toks, [0.9, 0.05], Run(1, (2, 3, 4), 0.9) if x == 0 else None))
+        return out
+
+    res = b.build(0, expand)
+    pool = res.pool
+    node = 0
+    for depth, tok in enumerate((1, 2, 3, 4), start=1):  # the run, one node per token, no duplicates
+        kids = [c for c in pool.children(node) if pool.tokens[c] == tok]
+        assert len(kids) == 1, (tok, kids)
+        node = kids[0]
+        assert pool.gains[node] == pytest.approx(0.9**depth)
+    assert depth_seen[:2] == [0, 4]  # one draft call (the root's) put the whole run in the pool
+    assert 4 in [pool.tokens[x] for x in res.selection.nodes]  # and the chain is worth verifying
+
+
 def test_ancestor_mask_and_positions_against_reference():
     from toolchain.artifact.layout import StepLayout
     from toolchain.runtime.cache import KVCache

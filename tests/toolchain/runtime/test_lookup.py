@@ -18,6 +18,10 @@ def test_propose_takes_the_longest_then_the_most_recent_match():
     assert propose([4, 2, 3, 2]) is None  # a match of 1 is below min_match
     assert propose([4, 2, 3, 2], min_match=1) == Proposal(3, 1)
     assert propose([1, 2, 3] * 4, max_match=4) == Proposal(1, 4)  # capped; the latest of the longest
+    # follow: the tokens after the proposal in that occurrence, as many as there are
+    assert propose(tokens, follow=2) == Proposal(8, 2, (3, 1))
+    assert propose(tokens, follow=9) == Proposal(8, 2, (3, 1, 2))
+    assert propose([7, 1, 2, 4, 0, 1, 2, 6, 7, 1, 2], follow=3) == Proposal(4, 3, (0, 1, 2))
 
 
 def test_blend_is_the_mixture_it_claims():

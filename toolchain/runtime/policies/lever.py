@@ -217,8 +217,11 @@ class Lever(Policy):
                 rows.update(zip(rest, drafter.expand(pool, rest), strict=True))
             logits = np.stack([rows[x] for x in nodes])
             if sampler.greedy:  # the draft's own softmax is its confidence: only its top k are needed
-                return list(zip(*top_softmax(logits, k), strict=True))
-            return [top_candidates(sampler.probs(row), k) for row in logits]  # the tempered draft q
+                cands = list(zip(*top_softmax(logits, k), strict=True))
+            else:
+                cands = [top_candidates(sampler.probs(row), k) for row in logits]  # the tempered draft q
+            runs = getattr(drafter, "runs", {})  # a lookup drafter's runs: chains to hang under a child
+            return [(*c, runs.get(x)) for c, x in zip(cands, nodes, strict=True)]
 
         return expand
 
