@@ -188,6 +188,7 @@ def test_pruned_lever_is_lossless_and_uses_narrower_tails(tree_artifacts, tmp_pa
         ids = tiny_tokenizer()(prompt).input_ids
         out = run(lever, ids, 24)
         keys |= set(lever.stats.target_calls)
+        assert lever.stats.n_target_calls == len(lever.stats.accepted)  # a pruned verify's two halves: one call
         n = target.length
         np.testing.assert_allclose(heard[:n], target_hidden(target_dir, (ids + out)[:n]), atol=1e-4)
         assert out == run(ar, ids, 24), prompt

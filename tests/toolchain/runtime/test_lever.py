@@ -126,6 +126,8 @@ def test_greedy_lever_equals_ar(artifacts, draft_kind, logits):
         ref = run(ar, ids, 24)
         assert run(lever, ids, 24) == ref, prompt
         assert lever.stats.tokens == len(ref)
+        # one verify per cycle, however many pieces (body, then the path rows' lm_head) it ran in
+        assert lever.stats.n_target_calls == len(lever.stats.accepted)
         assert max(lever.stats.tree_nodes) > 2
         if draft_kind == "self":  # a draft equal to the target: the greedy backbone is always accepted
             assert sum(lever.stats.accepted) >= len(ref) // 2

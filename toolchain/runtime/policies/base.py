@@ -26,6 +26,10 @@ class Pricer(Protocol):
     def total(self, calls: Counter[str]) -> float: ...
 
 
+# call keys (toolchain/runtime/tree_exec.py run_stages) of the later pieces of one target call
+PIECE_KEYS = ("stage:", "tail:")
+
+
 @dataclass
 class RunStats:
     tokens: int = 0
@@ -39,7 +43,10 @@ class RunStats:
 
     @property
     def n_target_calls(self) -> int:
-        return sum(self.target_calls.values())
+        """Target calls of the decode phase. A call run in pieces counts once: a verify's body and then
+        its accepted rows' lm_head (`stage:` keys), a pruned verify's layers before the cut and then
+        after it (`tail:` keys); each piece is still priced on its own (phone_seconds)."""
+        return sum(n for key, n in self.target_calls.items() if not key.startswith(PIECE_KEYS))
 
     def phone_seconds(self, target: Pricer, draft: Pricer | None = None) -> float:
         """Predicted decode time: every recorded call priced, target and draft one after the other."""
