@@ -163,7 +163,7 @@ class LookupTree:
         self.inner, self.draft = inner, draft
         self.committed: list[int] = []
         self._tree = None  # the tree of the cycle's last expand (finish reads its tokens)
-        self.runs: dict[int, Run] = {}  # node -> its lookup proposal's run, for the latest start/expand
+        self.runs: dict[int, Run] = {}  # node -> its lookup proposal's run, this cycle (start resets it)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
