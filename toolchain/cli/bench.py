@@ -56,6 +56,7 @@ def bench_decode(
 ) -> None:
     """Run policies on the same prompts; print CPU speed, acceptance and predicted phone latency."""
     from toolchain.bench import llamacpp as lcpp
+    from toolchain.bench.decode import TIE_LOGITS
     from toolchain.bench.decode import bench_decode as run_bench
     from toolchain.bench.prompts import encode, load_prompts
 
@@ -102,7 +103,7 @@ def bench_decode(
                       fmt(r["prompt_ms_median"], ".0f"), fmt(r["accepted_per_verify"], ".2f"), fmt(r["tokens_per_target_call"], ".2f"),
                       fmt(r["target_calls_per_token"], ".3f"), fmt(r["phone_ms_per_token"], ".2f"),
                       fmt(r["speedup_cpu"], ".2f") + "x", fmt(r["speedup_phone"], ".2f") + "x",
-                      f"{r['identical_to_ar']}/{res['prompts']}")
+                      f"{r['identical_to_ar']}/{res['prompts']}" + (f" +{r['ties_with_ar']} tie" if r["ties_with_ar"] else ""))
     lc = res.get("llamacpp")
     if lc:
         table.add_row("llama.cpp ar", str(lc["tokens"]), f"{lc['tokens_per_s_cpu']:.1f}",
@@ -119,9 +120,16 @@ def bench_decode(
     if lc:
         console.print(f"mobc ar / llama.cpp ar (CPU decode tok/s): {lc['mobc_ar_over_llamacpp']:.2f}")
     if temperature == 0:
-        bad = [r["policy"] for r in res["rows"] if r["identical_to_ar"] != res["prompts"]]
-        console.print("[green]greedy: every policy reproduces ar token for token on every prompt[/]" if not bad
-                      else f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
+        bad = [r["policy"] for r in res["rows"] if r["identical_to_ar"] + r["ties_with_ar"] != res["prompts"]]
+        ties = sum(r["ties_with_ar"] for r in res["rows"])
+        if bad:
+            console.print(f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
+        elif ties:
+            console.print(f"[yellow]greedy: every policy reproduces ar token for token, except {ties} output(s) "
+                          f"that left it where the target's two best logits were within {TIE_LOGITS:g} (a float "
+                          "tie the graphs of different widths round apart; the JSON's `divergence` has each)[/]")
+        else:
+            console.print("[green]greedy: every policy reproduces ar token for token on every prompt[/]")
     write_json(json_out, res)
 
 
