@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from toolchain.bench.decode import step_model
+from toolchain.bench.decode import first_divergence, step_model
 from toolchain.cost.prices import PhonePrices
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
@@ -42,6 +42,8 @@ class Run:
     seconds: float = 0.0
     tokens: int = 0
     identical: int = 0
+    ties: int = 0  # outputs that left ar's at a float tie (toolchain/bench/decode.py first_divergence)
+    divergence: dict[int, dict[str, Any]] = field(default_factory=dict)  # prompt -> where it left ar's
     phone_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
     stats: list[RunStats] = field(default_factory=list)  # per prompt: calls, acceptance; re-priced by the sweep
@@ -120,6 +122,10 @@ class LeverBench:
             self.ref = r.outputs
         if self.ref is not None:
             r.identical = sum(int(a == b) for a, b in zip(r.outputs, self.ref, strict=True))
+            r.divergence = {i: first_divergence(self.target, ids, ref, out)
+                            for i, (ids, ref, out) in enumerate(zip(self.prompts, self.ref, r.outputs, strict=True))
+                            if out != ref}
+            r.ties = sum(int(d["tie"]) for d in r.divergence.values())
         self.log(f"{label}: {r.tokens} tokens in {time.perf_counter() - t0:.0f} s")
         self.runs[label] = r
         return r
@@ -149,7 +155,8 @@ class LeverBench:
             "speedup_phone": (base.phone_seconds / base.tokens) / (r.phone_seconds / r.tokens),
             "speedup_phone_vs_chain": ((chain.phone_seconds / chain.tokens) / (r.phone_seconds / r.tokens)
                                        if chain else None),
-            "identical_to_ar": r.identical, "prompts": len(r.outputs),
+            "identical_to_ar": r.identical, "ties_with_ar": r.ties, "prompts": len(r.outputs),
+            "divergence": r.divergence,
         }
         if "overlap" in r.extra:
             out["overlap"] = float(np.mean(r.extra["overlap"]))

@@ -56,7 +56,6 @@ def bench_decode(
 ) -> None:
     """Run policies on the same prompts; print CPU speed, acceptance and predicted phone latency."""
     from toolchain.bench import llamacpp as lcpp
-    from toolchain.bench.decode import TIE_LOGITS
     from toolchain.bench.decode import bench_decode as run_bench
     from toolchain.bench.prompts import encode, load_prompts
 
@@ -120,17 +119,25 @@ def bench_decode(
     if lc:
         console.print(f"mobc ar / llama.cpp ar (CPU decode tok/s): {lc['mobc_ar_over_llamacpp']:.2f}")
     if temperature == 0:
-        bad = [r["policy"] for r in res["rows"] if r["identical_to_ar"] + r["ties_with_ar"] != res["prompts"]]
-        ties = sum(r["ties_with_ar"] for r in res["rows"])
-        if bad:
-            console.print(f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
-        elif ties:
-            console.print(f"[yellow]greedy: every policy reproduces ar token for token, except {ties} output(s) "
-                          f"that left it where the target's two best logits were within {TIE_LOGITS:g} (a float "
-                          "tie the graphs of different widths round apart; the JSON's `divergence` has each)[/]")
-        else:
-            console.print("[green]greedy: every policy reproduces ar token for token on every prompt[/]")
+        print_greedy_verdict([(r["policy"], r["identical_to_ar"], r["ties_with_ar"], res["prompts"])
+                              for r in res["rows"]])
     write_json(json_out, res)
+
+
+def print_greedy_verdict(rows: list[tuple[str, int, int, int]]) -> None:
+    """A greedy bench's closing line from (policy, outputs equal to ar's, float ties, prompts) per row."""
+    from toolchain.bench.decode import TIE_LOGITS
+
+    bad = [name for name, same, ties, n in rows if same + ties != n]
+    ties = sum(t for _, _, t, _ in rows)
+    if bad:
+        console.print(f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
+    elif ties:
+        console.print(f"[yellow]greedy: every policy reproduces ar token for token, except {ties} output(s) that "
+                      f"left it where the target's two best logits were within {TIE_LOGITS:g} (a float tie the "
+                      "graphs of different widths round apart; the JSON's `divergence` has each)[/]")
+    else:
+        console.print("[green]greedy: every policy reproduces ar token for token on every prompt[/]")
 
 
 @app.command("lever")
@@ -201,9 +208,7 @@ def bench_lever(
                 ("== ar", "lever_identical", "d")])
     if "lever" in names:
         console.print(f"plot: {b.plot(lever_name, plot)}")
-    bad = [r["policy"] for r in main if r["identical_to_ar"] != r["prompts"]]
-    console.print("[green]greedy: every policy reproduces ar on every prompt[/]" if not bad
-                  else f"[red]greedy mismatch vs ar: {', '.join(bad)}[/]")
+    print_greedy_verdict([(r["policy"], r["identical_to_ar"], r["ties_with_ar"], r["prompts"]) for r in main])
     write_json(json_out, res)
 
 

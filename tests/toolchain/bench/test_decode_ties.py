@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 
 from tests.tiny import tiny_tokenizer
@@ -31,3 +33,23 @@ def test_first_divergence_measures_the_targets_gap_between_the_two_tokens(tree_a
     # an output that stops early is no tie between two tokens
     assert first_divergence(target, ids, ref, ref[:7]) == {"position": 7, "gap": None, "tie": False}
     assert target.length == 0  # left reset for the next policy
+
+
+def test_the_greedy_verdict_names_ties_apart_from_mismatches(monkeypatch):
+    from rich.console import Console
+
+    from toolchain.cli import bench
+
+    lines: list[str] = []
+    monkeypatch.setattr(bench, "console", Console(width=400, record=True, file=io.StringIO()))
+
+    def verdict(rows):
+        bench.print_greedy_verdict(rows)
+        lines.append(bench.console.export_text())
+
+    verdict([("ar", 3, 0, 3), ("chain", 3, 0, 3)])
+    verdict([("ar", 3, 0, 3), ("chain", 2, 1, 3)])
+    verdict([("ar", 3, 0, 3), ("chain", 2, 1, 3), ("lever", 2, 0, 3)])
+    assert "reproduces ar token for token on every prompt" in lines[0]
+    assert "except 1 output(s)" in lines[1] and "mismatch" not in lines[1]
+    assert "greedy mismatch vs ar: lever" in lines[2] and "chain" not in lines[2]

@@ -23,6 +23,8 @@ def test_bench_lever_command(tree_artifacts, tmp_path):
     names = [r["policy"] for r in data["decode"]]
     assert names == ["ar", "chain", "lever", "ahasd"]
     assert all(r["identical_to_ar"] == r["prompts"] == 2 for r in data["decode"])
+    assert all(r["ties_with_ar"] == 0 and r["divergence"] == {} for r in data["decode"])
+    assert "greedy: every policy reproduces ar token for token" in res.output
     assert [r["target_dram"] for r in data["dram_sweep"]] == [0.0, 0.5, 1.0]
     assert {r["variant"] for r in data["ablation"]} >= {"lever+full", "lever+path"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
