@@ -112,7 +112,6 @@ class LookupDraft:
         self.follow = follow  # tokens after a proposal a tree drafter may hang under it (LookupTree)
         self.tokens: list[int] = []
         self.proposals = 0  # rows whose distribution carried a lookup proposal
-        self.last: Proposal | None = None  # the latest row's proposal
 
     def __getattr__(self, name: str):  # everything else is the wrapped draft's (cache, widths, calls, ...)
         return getattr(self.inner, name)
@@ -121,12 +120,18 @@ class LookupDraft:
     def step_model(self):  # what benches time and price
         return getattr(self.inner, "step_model", self.inner)
 
-    def blended(self, logits: np.ndarray, context: Sequence[int]) -> np.ndarray:
-        self.last = prop = propose(context, self.min_match, self.max_match, self.follow)
+    def proposed(self, logits: np.ndarray, context: Sequence[int], follow: int = 0
+                 ) -> tuple[np.ndarray, Proposal | None]:
+        """The row with the lookup proposal for `context` blended in, and that proposal (None: the row
+        is the draft's own); `follow`: how many of the tokens after it the proposal also carries."""
+        prop = propose(context, self.min_match, self.max_match, follow)
         if prop is None:
-            return logits
+            return logits, None
         self.proposals += 1
-        return blend(logits, prop, confidence(prop.match))
+        return blend(logits, prop, confidence(prop.match)), prop
+
+    def blended(self, logits: np.ndarray, context: Sequence[int]) -> np.ndarray:
+        return self.proposed(logits, context)[0]
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         self.tokens = list(ids)
@@ -172,15 +177,15 @@ class LookupTree:
         logits = self.inner.start(todo)
         self.draft.tokens.extend(todo)
         self.committed = list(self.draft.tokens)
-        out = self.draft.blended(logits, self.committed)
         self.runs = {}
-        self._keep_run(0)
-        return out
+        return self._row(logits, self.committed, 0)
 
-    def _keep_run(self, node: int) -> None:
-        prop = self.draft.last
+    def _row(self, logits: np.ndarray, context: list[int], node: int) -> np.ndarray:
+        """A node's blended row; its proposal's run, if it has one, is kept for the builder."""
+        row, prop = self.draft.proposed(logits, context, self.draft.follow)
         if prop is not None and prop.after:
             self.runs[node] = Run(prop.token, prop.after, confidence(prop.match))
+        return row
 
     def _path(self, tree, node: int) -> list[int]:
         out = []
@@ -192,11 +197,8 @@ class LookupTree:
     def expand(self, tree, nodes: list[int]) -> np.ndarray:
         self._tree = tree
         rows = self.inner.expand(tree, nodes)
-        out = []
-        for r, x in zip(rows, nodes, strict=True):
-            out.append(self.draft.blended(r, self.committed + self._path(tree, x)))
-            self._keep_run(x)
-        return np.stack(out)
+        return np.stack([self._row(r, self.committed + self._path(tree, x), x)
+                         for r, x in zip(rows, nodes, strict=True)])
 
     def finish(self, path: Sequence[int]) -> int:
         kept = self.inner.finish(path)  # the accepted path's first `kept` nodes stay in the draft cache
