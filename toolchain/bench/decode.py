@@ -111,7 +111,7 @@ def first_divergence(target: StepModel, ids: list[int], ref: list[int], out: lis
 
 def _progress(name: str, p: dict[str, Any]) -> str:
     calls = sum(p["target_calls"].values())
-    same = "" if p["identical_to_ar"] else " (float tie)" if (p.get("divergence") or {}).get("tie") else " MISMATCH"
+    same = "" if p["identical_to_ar"] else " (float tie)" if (p["divergence"] or {}).get("tie") else " MISMATCH"
     return f"{name} {p['tokens'] / max(p['seconds'], 1e-9):.1f} tok/s, {p['tokens'] / max(calls, 1):.2f} tok/call{same}"
 
 
