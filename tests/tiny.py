@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -62,6 +63,32 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([Path(os.__file__).read_text()], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny tokenizer (a fresh copy) with a small chat template, for chat-prompt code paths."""
+    tok = tiny_tokenizer()
+    tok = type(tok)(tokenizer_object=tok._tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def eos_prone_model(tok: PreTrainedTokenizerFast, p_end: float = 0.1):
+    """The tiny llama reading out through a zero lm_head with a bias: a uniform next token, except
+    end-of-text at probability `p_end`, so a sampled request ends within a few dozen tokens."""
+    model = tiny_model("llama", 0).eval()
+    v, c = model.config.vocab_size, model.config.hidden_size
+    model.config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(c, v, bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.bias.zero_()
+        model.lm_head.bias[tok.eos_token_id] = math.log(p_end * (v - 1) / (1 - p_end))
+    return model
 
 
 def save_tiny(folder: Path, family: str, seed: int = 0) -> Path:

@@ -54,6 +54,11 @@ def train_draft(
                                   "~1.6x the steps on a CPU with AVX512-BF16; weights and teacher stay fp32)"),
     generate_only: bool = typer.Option(False, "--generate-only", help="head: only write --onpolicy-cache (the "
                                        "target's answers, with no time limit) and stop; training runs then read it"),
+    onpolicy_round: int = typer.Option(0, "--onpolicy-round", help="head, with --generate-only: K >= 1 writes only "
+                                       "answers to --self-chat more requests the target writes itself (other ones "
+                                       "for each K), for a training's --onpolicy-extra"),
+    onpolicy_extra: list[Path] = typer.Option([], "--onpolicy-extra", help="head: also train on the answers in "
+                                              "this --onpolicy-round K cache (repeatable)"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""
@@ -64,7 +69,7 @@ def train_draft(
     if kind == "head":
         _train_head(recipe, out, minutes, seed, app_share, self_chat, onpolicy_cache, unroll,
                     self_chat_openers=self_chat_openers, answer_batch=answer_batch, precision=precision,
-                    generate_only=generate_only)
+                    generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -92,13 +97,23 @@ def train_draft(
 
 def _train_head(recipe: Path, out: Path | None, minutes: float | None, seed: int, app_share: float | None,
                 self_chat: int | None, onpolicy_cache: Path | None, unroll: int | None, *, self_chat_openers: bool,
-                answer_batch: int | None, precision: str, generate_only: bool) -> None:
+                answer_batch: int | None, precision: str, generate_only: bool, onpolicy_round: int,
+                onpolicy_extra: list[Path]) -> None:
     from toolchain.train.head import HEAD_FILE, HELD_OUT_SETS, HeadConfig, generate_onpolicy, train_head
 
     given = {"minutes": minutes, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch}
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
+                     onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      **{k: v for k, v in given.items() if v is not None})
+    if onpolicy_round < 0 or (onpolicy_round and not generate_only):
+        raise MobcError(f"--onpolicy-round {onpolicy_round}: give K >= 1 with --generate-only (it writes more answers "
+                        "for a training's --onpolicy-extra; round 0 is a whole run's data)")
+    if onpolicy_extra and generate_only:
+        raise MobcError("--onpolicy-extra: extra rounds are read by a training run, not by --generate-only")
+    if missing := [p for p in onpolicy_extra if not p.is_file()]:
+        raise MobcError(f"--onpolicy-extra {missing[0]}: no such file; write it with --generate-only "
+                        "--onpolicy-round K --onpolicy-cache FILE")
     if precision not in ("fp32", "bf16"):
         raise MobcError(f"--precision {precision!r}: choose fp32 or bf16")
     if not 1 <= cfg.answer_batch <= 512:
@@ -114,8 +129,9 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, seed: int
         counts = generate_onpolicy(recipe, cfg, log=log)
         console.print(f"[bold green]on-policy windows[/] {onpolicy_cache}: {counts['app_windows']} answer windows "
                       f"({counts['self_chat_requests']} self-written chat requests), {counts['stdlib_continuations']} "
-                      f"stdlib continuations, {counts['held_out_windows']} held-out; train with the same settings "
-                      f"and --onpolicy-cache {onpolicy_cache}")
+                      f"stdlib continuations, {counts['held_out_windows']} held-out; "
+                      + (f"train with round 0's --onpolicy-cache and --onpolicy-extra {onpolicy_cache}" if onpolicy_round
+                         else f"train with the same settings and --onpolicy-cache {onpolicy_cache}"))
         return
     report = train_head(recipe, out, cfg, log=log)
     console.print(f"[bold green]draft head[/] {out / HEAD_FILE}: {report['params_trained'] / 1e6:.1f}M trained params, "

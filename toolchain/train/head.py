@@ -69,6 +69,8 @@ class HeadConfig:
     gamma: int = 4
     seed: int = 0
     onpolicy_cache: str | None = None  # file keeping the generated windows for reruns (cached_onpolicy)
+    onpolicy_round: int = 0  # a generate-only run's round: 0 all the data; K >= 1 only more self-written requests
+    onpolicy_extra: tuple[str, ...] = ()  # round K >= 1 caches whose answers the training adds (extra_onpolicy)
     precision: str = "fp32"  # training steps' matmuls: fp32, or bf16 autocast (master weights and the teacher stay fp32)
 
 
@@ -143,7 +145,10 @@ def chain_acceptance(head: DraftHead, windows: torch.Tensor, states: torch.Tenso
 def onpolicy_data(target: Any, tok: Any, train: np.ndarray, held: np.ndarray, cfg: HeadConfig,
                   budget: float, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The target's own greedy text: continuations of stdlib windows and answers to app prompts (the
-    training's on-policy windows), and the held-out sets' windows, each generation within its budget share."""
+    training's on-policy windows), and the held-out sets' windows, each generation within its budget share.
+    Round K >= 1 (`onpolicy_round`): only answers to new self-written requests (more_self_chat)."""
+    if cfg.onpolicy_round > 0:
+        return more_self_chat(target, tok, cfg, budget, log)
     gen = target_continuations(target, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed,
                                seconds=budget * 0.25)
     gen_held = target_continuations(target, held, cfg.held_out_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed + 1)
@@ -161,13 +166,34 @@ def onpolicy_data(target: Any, tok: Any, train: np.ndarray, held: np.ndarray, cf
     return {"gen": gen, "gen_held": gen_held, "app": app, "requests": requests, "held_sets": held_sets}
 
 
+def round_seed(cfg: HeadConfig) -> int:
+    """The seed a round samples its self-written requests from (round 0: the run's seed)."""
+    return cfg.seed + 1000 * cfg.onpolicy_round
+
+
+def more_self_chat(target: Any, tok: Any, cfg: HeadConfig, budget: float,
+                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Round K >= 1 of on-policy data: `cfg.self_chat` more requests the target writes itself (sampled from
+    round_seed, so other requests than round 0's) and its greedy answers to them, all for training. The
+    HumanEval and stdlib prompts and the held-out sets are round 0's alone: answering them again would
+    give the same greedy windows."""
+    openers = onpolicy.REQUEST_OPENERS if cfg.self_chat_openers else ("",)
+    requests = onpolicy.self_chat_requests(target, tok, cfg.self_chat, round_seed(cfg),
+                                           seconds=budget * cfg.self_chat_share, openers=openers, log=log)
+    prompts = [encode(tok, ChatPrompt(r)) for r in requests]
+    app = onpolicy.prompt_continuations(target, prompts, cfg.seq_len, cfg.prompt_len, cfg.answer_batch,
+                                        budget * cfg.app_share, pad_id=tok.eos_token_id or 0, log=log)
+    none = torch.zeros(0, cfg.seq_len, dtype=torch.long)
+    return {"gen": none, "gen_held": none, "app": app, "requests": requests, "held_sets": {}}
+
+
 # the settings that decide which text the generation writes (the time shares only decide how much)
 CACHE_KEYS = ("seq_len", "prompt_len", "seed", "held_out_windows", "generated_windows", "app_chat_prompts",
-              "self_chat", "self_chat_openers")
+              "self_chat", "self_chat_openers", "onpolicy_round")
 
 
 # the cache keys `mobc train draft --kind head` takes as options
-CACHE_OPTIONS = ("seed", "self_chat", "self_chat_openers")
+CACHE_OPTIONS = ("seed", "self_chat", "self_chat_openers", "onpolicy_round")
 
 
 def _setting(key: str) -> str:
@@ -187,16 +213,8 @@ def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
     path = Path(cfg.onpolicy_cache)
     key = {"target": target, **{k: getattr(cfg, k) for k in CACHE_KEYS}}
     if path.is_file():
-        try:
-            saved = torch.load(path, weights_only=True)
-        except Exception as exc:
-            saved = exc
-        old = saved.get("key") if isinstance(saved, dict) else None
-        if not isinstance(old, dict):
-            raise DraftTrainError(f"--onpolicy-cache {path}: not a cache this command wrote ({type(saved).__name__}); "
-                                  "delete it or give another path")
-        # a setting added after the file was written had its default then (the text it decides did not vary)
-        old = {**{k: HeadConfig.__dataclass_fields__[k].default for k in CACHE_KEYS}, **old}
+        saved = _read_cache(path, "--onpolicy-cache")
+        old = saved["key"]
         if old != key:
             diff = ", ".join(f"{_setting(k)} {old.get(k)!r} (this run: {key[k]!r})" for k in key if old.get(k) != key[k])
             raise DraftTrainError(f"--onpolicy-cache {path} holds windows generated with other settings: {diff}; "
@@ -207,6 +225,61 @@ def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
     with atomic_file(path) as tmp:  # a run stopped mid-write leaves no cache that looks complete
         torch.save({"key": key, **{k: _token_ids(v, torch.int32) for k, v in data.items()}}, tmp)
     return data, False
+
+
+def _read_cache(path: Path, option: str) -> dict[str, Any]:
+    """A cache file this command wrote, its key completed: a setting added after the file was written had its
+    default then (the text it decides did not vary)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception as exc:
+        saved = exc
+    key = saved.get("key") if isinstance(saved, dict) else None
+    if not isinstance(key, dict):
+        raise DraftTrainError(f"{option} {path}: not a cache this command wrote ({type(saved).__name__}); "
+                              "delete it or give another path")
+    saved["key"] = {**{k: HeadConfig.__dataclass_fields__[k].default for k in CACHE_KEYS}, **key}
+    return saved
+
+
+def extra_onpolicy(cfg: HeadConfig, target: str, known: list[torch.Tensor], log: Callable[[str], None]) -> torch.Tensor:
+    """The answer windows of `cfg.onpolicy_extra`: caches of rounds K >= 1 (`--generate-only --onpolicy-round K`)
+    for this target and window shape. A window equal to one in `known` (round 0's training and held-out
+    windows) or to an earlier extra one is dropped: the same request gives the same greedy answer, and a
+    held-out answer must stay out of training."""
+    seen = {tuple(w.tolist()) for t in known for w in t}
+    out: list[torch.Tensor] = []
+    rounds: dict[tuple[int, int], str] = {}
+    for name in cfg.onpolicy_extra:
+        path = Path(name)
+        if not path.is_file():
+            raise DraftTrainError(f"--onpolicy-extra {path}: no such file; write it with --generate-only "
+                                  "--onpolicy-round K --onpolicy-cache FILE")
+        saved = _read_cache(path, "--onpolicy-extra")
+        key = saved["key"]
+        if key.get("target") != target:
+            raise DraftTrainError(f"--onpolicy-extra {path}: holds answers of {key.get('target')!r}, not of {target!r}")
+        if key["onpolicy_round"] < 1:
+            raise DraftTrainError(f"--onpolicy-extra {path}: a round-0 cache (a whole run's data with its held-out "
+                                  "sets); give it to --onpolicy-cache, and write extra rounds with --generate-only "
+                                  "--onpolicy-round K")
+        shape = [k for k in ("seq_len", "prompt_len") if key[k] != getattr(cfg, k)]
+        if shape:
+            raise DraftTrainError(f"--onpolicy-extra {path}: windows of other shape: "
+                                  + ", ".join(f"{k} {key[k]} (this run: {getattr(cfg, k)})" for k in shape))
+        ident = (key["seed"], key["onpolicy_round"])
+        if ident in rounds:
+            raise DraftTrainError(f"--onpolicy-extra {path}: the same round (--seed {ident[0]} --onpolicy-round "
+                                  f"{ident[1]}) as {rounds[ident]}; give each round once")
+        rounds[ident] = str(path)
+        kept = 0
+        for w in _token_ids(saved["app"], torch.long):
+            if (t := tuple(w.tolist())) not in seen:
+                seen.add(t)
+                out.append(w)
+                kept += 1
+        log(f"extra on-policy windows: {kept} from {path} (round {ident[1]}; {len(saved['app']) - kept} already known)")
+    return torch.stack(out) if out else torch.zeros(0, cfg.seq_len, dtype=torch.long)
 
 
 def _token_ids(value: Any, dtype: torch.dtype) -> Any:
@@ -246,6 +319,8 @@ def generate_onpolicy(recipe_path: Path, cfg: HeadConfig, log: Callable[[str], N
     be repeated or lengthened. A cache already holding these settings is kept."""
     if not cfg.onpolicy_cache:
         raise DraftTrainError("--generate-only writes the on-policy windows to --onpolicy-cache FILE; give that file")
+    if cfg.onpolicy_extra:
+        raise DraftTrainError("--onpolicy-extra: extra rounds are read by a training run, not by --generate-only")
     target, tok, name, source, train, held = _target_and_text(recipe_path, cfg)
     data, _ = cached_onpolicy(cfg, f"{name} ({source})", log,
                               lambda: onpolicy_data(target, tok, train, held, cfg, float("inf"), log))
@@ -255,6 +330,9 @@ def generate_onpolicy(recipe_path: Path, cfg: HeadConfig, log: Callable[[str], N
 
 
 def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    if cfg.onpolicy_round:
+        raise DraftTrainError(f"--onpolicy-round {cfg.onpolicy_round}: a later round only writes more answers (with "
+                              "--generate-only); train with round 0's --onpolicy-cache and that file as --onpolicy-extra")
     t0 = time.perf_counter()
     budget = cfg.minutes * 60
     target, tok, name, source, train, held = _target_and_text(recipe_path, cfg)
@@ -265,8 +343,11 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows "
         f"({len(requests)} self-written chat requests), {len(gen_held)} + "
         f"{sum(len(v) for v in held_sets.values())} held-out ({time.perf_counter() - t0:.0f} s)")
-    windows = torch.cat([app, gen, w_train])
-    share = cfg.teacher_share_cached if read else cfg.teacher_share
+    extra = extra_onpolicy(cfg, f"{name} ({source})", [app, gen, gen_held, *held_sets.values()], log)
+    windows = torch.cat([app, extra, gen, w_train])
+    # the teacher pass's share covers round 0's windows at ~100 minutes; extra rounds' windows need it to grow
+    share = (cfg.teacher_share_cached if read else cfg.teacher_share) * len(windows) / (len(windows) - len(extra))
+    share = min(share, 0.4)
     states, _ = teacher_states(target, windows, budget * share, cfg.batch, log)
     windows = windows[: len(states)]
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
@@ -307,12 +388,13 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     out_dir.mkdir(parents=True, exist_ok=True)
     save_head(head, out_dir / HEAD_FILE)
     # the cache by file name: its full path is this machine's (the cache's key checked what it holds)
-    config = {**asdict(cfg), "onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None}
+    config = {**asdict(cfg), "onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
+              "onpolicy_extra": [Path(p).name for p in cfg.onpolicy_extra]}
     report = {"target": name, "target_source": source, "config": config,
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
               "vocab_coverage_held_out": coverage, "train_windows": len(windows), "generated_windows": len(gen),
               "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),
-              **{key: accepts.get(key) for key in HELD_OUT_SETS}, "app_windows": len(app),
+              **{key: accepts.get(key) for key in HELD_OUT_SETS}, "app_windows": len(app), "extra_windows": len(extra),
               "self_chat_requests": len(requests), "seconds": round(time.perf_counter() - t0, 1)}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
     return report

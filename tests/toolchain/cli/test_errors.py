@@ -141,7 +141,11 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     out = tmp_path / "head"
     for args, named in ((("--app-share", "0.9"), "--app-share 0.9"), (("--self-chat", "-1"), "--self-chat -1"),
                         (("--unroll", "0"), "--unroll 0"), (("--precision", "fp16"), "--precision 'fp16'"),
-                        (("--answer-batch", "0"), "--answer-batch 0"), (("--generate-only",), "--onpolicy-cache FILE")):
+                        (("--answer-batch", "0"), "--answer-batch 0"), (("--generate-only",), "--onpolicy-cache FILE"),
+                        (("--onpolicy-round", "1"), "--onpolicy-round 1: give K >= 1 with --generate-only"),
+                        (("--onpolicy-extra", tmp_path / "r1.pt"), "r1.pt: no such file"),
+                        (("--generate-only", "--onpolicy-extra", RECIPES / "smollm2-135m.yaml"),
+                         "read by a training run")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)
         assert r.clean_error, r.err
         assert named in r.err

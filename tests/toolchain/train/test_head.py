@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiny import save_tiny, write_recipe
+from tests.tiny import chat_tokenizer, eos_prone_model, save_tiny, write_recipe
 from toolchain.compile.head import load_head
 from toolchain.train.draft import DraftTrainError
 from toolchain.train.head import (
@@ -17,11 +17,14 @@ from toolchain.train.head import (
     HeadConfig,
     cached_onpolicy,
     draft_vocabulary,
+    extra_onpolicy,
     generate_onpolicy,
+    onpolicy_data,
     train_head,
     training_loss,
 )
 from toolchain.train.head_model import DraftHead
+from toolchain.train.onpolicy import self_chat_requests
 
 
 def test_draft_vocabulary_keeps_the_most_frequent_tokens_and_eos():
@@ -144,3 +147,71 @@ def test_bf16_training_runs_the_loss_in_bf16_close_to_fp32(tmp_path):
     bf16 = training_loss(head, windows, states, HeadConfig(precision="bf16"))
     assert bf16.dtype == torch.float32  # the loss itself is reduced in fp32
     assert bf16.item() != fp32 and abs(bf16.item() - fp32) < 0.02 * abs(fp32)  # bf16 matmuls, same loss
+
+
+def test_a_later_round_answers_only_new_self_written_requests():
+    tok = chat_tokenizer()
+    model = eos_prone_model(tok)
+    cfg = HeadConfig(self_chat=6, seq_len=32, prompt_len=16, answer_batch=8, held_out_windows=1)
+    first = onpolicy_data(model, tok, np.zeros(0, np.int64), np.zeros(0, np.int64),
+                          HeadConfig(**{**cfg.__dict__, "onpolicy_round": 1}), float("inf"))
+    assert len(first["requests"]) > 0 and len(first["app"]) == len(first["requests"])  # every request answered
+    assert len(first["gen"]) == len(first["gen_held"]) == 0 and first["held_sets"] == {}  # round 0's alone
+    second = onpolicy_data(model, tok, np.zeros(0, np.int64), np.zeros(0, np.int64),
+                           HeadConfig(**{**cfg.__dict__, "onpolicy_round": 2}), float("inf"))
+    round0 = set(self_chat_requests(model, tok, 7, seed=0))
+    assert not set(first["requests"]) & set(second["requests"])  # each round writes other requests
+    assert not set(first["requests"]) & round0
+
+
+def _round(cache, round_: int, app: torch.Tensor, target: str = "t", **settings) -> None:
+    cfg = HeadConfig(onpolicy_cache=str(cache), onpolicy_round=round_, **settings)
+    cached_onpolicy(cfg, target, lambda _m: None, lambda: {**_windows(round_), "app": app})
+
+
+def test_extra_rounds_add_their_new_windows_and_are_refused_when_they_do_not_fit(tmp_path):
+    base = _windows(0)
+    new = torch.randint(100, 200, (2, 8), generator=torch.Generator().manual_seed(5))
+    # a known answer, a held-out answer (must stay out of training), two new ones, one of them twice
+    _round(tmp_path / "r1.pt", 1, torch.stack([base["app"][0], base["held_sets"]["app"][0], new[0], new[1], new[0]]))
+    _round(tmp_path / "r2.pt", 2, torch.stack([new[1], new[0] + 1]))
+    known = [base["app"], base["gen"], base["gen_held"], *base["held_sets"].values()]
+    said: list[str] = []
+    cfg = HeadConfig(onpolicy_extra=(str(tmp_path / "r1.pt"), str(tmp_path / "r2.pt")))
+    got = extra_onpolicy(cfg, "t", known, said.append)
+    assert got.dtype == torch.long and got.tolist() == [new[0].tolist(), new[1].tolist(), (new[0] + 1).tolist()]
+    assert said[0].endswith("2 from " + str(tmp_path / "r1.pt") + " (round 1; 3 already known)")
+
+    def refused(match: str, path, **settings) -> None:
+        with pytest.raises(DraftTrainError, match=match):
+            extra_onpolicy(HeadConfig(onpolicy_extra=(str(path),), **settings), "t", known, said.append)
+
+    _round(tmp_path / "r0.pt", 0, base["app"])
+    refused("a round-0 cache", tmp_path / "r0.pt")
+    _round(tmp_path / "other.pt", 1, new, target="another target")
+    refused("not of 't'", tmp_path / "other.pt")
+    refused(r"other shape: seq_len 256 \(this run: 128\)", tmp_path / "r1.pt", seq_len=128)
+    refused("no such file", tmp_path / "missing.pt")
+    with pytest.raises(DraftTrainError, match=r"the same round \(--seed 0 --onpolicy-round 1\)"):
+        extra_onpolicy(HeadConfig(onpolicy_extra=(str(tmp_path / "r1.pt"),) * 2), "t", known, said.append)
+
+
+def test_a_training_run_reads_extra_rounds_and_refuses_to_be_one(tmp_path):
+    hf = save_tiny(tmp_path / "hf", "llama")
+    recipe = write_recipe(tmp_path / "t.yaml", hf)
+    cfg = HeadConfig(corpus_tokens=4096, generated_windows=2, held_out_windows=1, seq_len=64, prompt_len=16,
+                     answer_batch=8, onpolicy_cache=str(tmp_path / "gen.pt"))
+    generate_onpolicy(recipe, cfg, log=lambda _m: None)
+    target = torch.load(tmp_path / "gen.pt", weights_only=True)["key"]["target"]
+    extra = torch.randint(3, 100, (3, 64), generator=torch.Generator().manual_seed(1))
+    _round(tmp_path / "r1.pt", 1, extra, target=target, seq_len=64, prompt_len=16)
+    said: list[str] = []
+    run = HeadConfig(**{**cfg.__dict__, "minutes": 0.2, "draft_vocab": 64, "onpolicy_extra": (str(tmp_path / "r1.pt"),)})
+    report = train_head(recipe, tmp_path / "head", run, log=said.append)
+    assert report["extra_windows"] == 3 and report["config"]["onpolicy_extra"] == ["r1.pt"]
+    assert any(m.startswith("extra on-policy windows: 3 from") for m in said)
+    with pytest.raises(DraftTrainError, match="--onpolicy-round 1: a later round only writes"):
+        train_head(recipe, tmp_path / "head2", HeadConfig(**{**cfg.__dict__, "onpolicy_round": 1}), log=said.append)
+    with pytest.raises(DraftTrainError, match="--onpolicy-extra: extra rounds are read by a training run"):
+        generate_onpolicy(recipe, run, log=said.append)
+    assert not (tmp_path / "head2").exists()

@@ -2,41 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from tests.tiny import tiny_model, tiny_tokenizer
+from tests.tiny import chat_tokenizer, eos_prone_model, tiny_model, tiny_tokenizer
 from toolchain.train.onpolicy import interleave, prompt_continuations, self_chat_requests
-
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-
-
-def _chat_tokenizer():
-    tok = tiny_tokenizer()
-    tok = type(tok)(tokenizer_object=tok._tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    tok.chat_template = TEMPLATE
-    return tok
-
-
-def _eos_prone(tok, p_end: float = 0.1):
-    """The tiny llama reading out through a zero lm_head with a bias: a uniform next token, except
-    end-of-text at probability `p_end`, so a sampled request ends within a few dozen tokens."""
-    model = tiny_model("llama", 0).eval()
-    v, c = model.config.vocab_size, model.config.hidden_size
-    model.config.tie_word_embeddings = False
-    model.lm_head = torch.nn.Linear(c, v, bias=True)
-    with torch.no_grad():
-        model.lm_head.weight.zero_()
-        model.lm_head.bias.zero_()
-        model.lm_head.bias[tok.eos_token_id] = math.log(p_end * (v - 1) / (1 - p_end))
-    return model
 
 
 def test_self_written_requests_end_their_turn_are_distinct_and_reproducible():
-    tok = _chat_tokenizer()
-    model = _eos_prone(tok)
+    tok = chat_tokenizer()
+    model = eos_prone_model(tok)
     reqs = self_chat_requests(model, tok, 12, seed=0, batch=16, max_tokens=48)
     assert 0 < len(reqs) <= 12
     assert len(set(reqs)) == len(reqs) and all(len(r.split()) >= 4 for r in reqs)
@@ -70,8 +44,8 @@ def test_interleave_takes_one_of_each_until_each_runs_out():
 
 
 def test_openers_start_each_batch_of_requests_in_turn():
-    tok = _chat_tokenizer()
-    model = _eos_prone(tok)
+    tok = chat_tokenizer()
+    model = eos_prone_model(tok)
     said: list[str] = []
     asked, generate = [], model.generate
     model.generate = lambda x, **kw: asked.append(tok.decode(x[0])) or generate(x, **kw)
