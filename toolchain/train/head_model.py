@@ -71,14 +71,34 @@ class DraftHead(nn.Module):
         return F.linear(self.norm(g), self.lm_rows)
 
     def forward_train(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                      normalized: bool = True) -> torch.Tensor:
-        """Causal pass over whole windows: features [B,T,C] (row t's previous position), tokens [B,T]."""
+                      normalized: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal pass over whole windows: features [B,T,C] (row t's previous position), tokens [B,T]; or,
+        with `mask` (additive, [1,1,T,T]), a pass in which each row sees the rows that mask allows."""
         x = self.mix(features, tokens, normalized)
         cos, sin = self.rotary(x, positions)
-        t = tokens.shape[1]
-        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        if mask is None:
+            t = tokens.shape[1]
+            mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
         out = self.layer(x, attention_mask=mask, position_embeddings=(cos, sin))
         return out[0] if isinstance(out, tuple) else out
+
+
+def chain_mask(t: int, steps: int) -> torch.Tensor:
+    """The additive attention mask of `steps` blocks of t rows drafting a chain from every start at once.
+
+    Block 1 is the window itself (true features and tokens, causal). Row s of block a > 1 is the (a-1)-th
+    draft of the chain that starts after position s: it sees the window's rows up to s and the rows of
+    its own chain (row s of blocks 2..a), exactly what it would see if that one chain were drafted alone."""
+    s = torch.arange(t)
+    prefix = s[None, :] <= s[:, None]  # [query s, key s']
+    own = torch.eye(t, dtype=torch.bool)
+    allowed = torch.zeros(steps * t, steps * t, dtype=torch.bool)
+    for a in range(steps):
+        rows = slice(a * t, (a + 1) * t)
+        allowed[rows, :t] = prefix
+        for b in range(1, a + 1):
+            allowed[rows, b * t : (b + 1) * t] = own
+    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
 
 
 def save_head(head: DraftHead, path: Any) -> None:

@@ -16,6 +16,8 @@ from toolchain.train.head import (
     REPORT_FILE,
     HeadConfig,
     cached_onpolicy,
+    chain_acceptance,
+    draft_chains,
     draft_vocabulary,
     extra_onpolicy,
     generate_onpolicy,
@@ -215,3 +217,48 @@ def test_a_training_run_reads_extra_rounds_and_refuses_to_be_one(tmp_path):
     with pytest.raises(DraftTrainError, match="--onpolicy-extra: extra rounds are read by a training run"):
         generate_onpolicy(recipe, run, log=said.append)
     assert not (tmp_path / "head2").exists()
+
+
+def _chains_one_by_one(head, windows, states, gamma):
+    """The chains drafted as the runtime drafts them: one start at a time, one causal pass per draft."""
+    b, t = windows.shape
+    out = torch.zeros(b, gamma, t, dtype=torch.long)
+    hidden = torch.zeros(b, gamma, t, states.shape[-1])
+    for s in range(t):
+        feats = torch.cat([torch.zeros_like(states[:, :1]), states[:, :s]], 1)
+        toks = windows[:, : s + 1]
+        for a in range(gamma):
+            g = head.forward_train(feats, toks, torch.arange(toks.shape[1])[None].expand(b, -1), normalized=True)
+            d = head.vocab_ids[head.logits(g[:, -1]).argmax(-1)]
+            out[:, a, s] = d
+            hidden[:, a, s] = g[:, -1]
+            feats = torch.cat([feats, head.norm(g[:, -1:])], 1)
+            toks = torch.cat([toks, d[:, None]], 1)
+    return out, hidden
+
+
+def test_all_chains_in_gamma_passes_draft_what_one_chain_at_a_time_drafts(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "hf", "llama")).float().eval()
+    torch.manual_seed(0)
+    head = DraftHead(target, torch.arange(0, 256, 2), init_layer=-1).eval()
+    head.config._attn_implementation = "sdpa"
+    windows = torch.randint(0, 256, (3, 20))
+    states = torch.randn(3, 20, target.config.hidden_size)
+    with torch.no_grad():
+        want, want_hidden = _chains_one_by_one(head, windows, states, 3)
+    got, hidden = draft_chains(head, windows, states, 3, rows=2)  # two blocks of windows
+    assert torch.equal(got, want)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4)  # the rows that drafted them, too
+    assert len(set(want[:, 1:].flatten().tolist())) > 3  # the drafts vary: the check compares something
+    # targets that take the first two drafts of the chains from even starts: those accept two or more
+    targets = want[:, 0].clone()
+    targets[:, 1::2] = want[:, 1, 0:-1:2]
+    acc = chain_acceptance(head, windows, states, targets, 4, 3)
+    starts = range(4, 20 - 3 - 1)
+    counts = [int(want[b, 0, s] == targets[b, s]) * (1 + int(want[b, 1, s] == targets[b, s + 1])
+              * (1 + int(want[b, 2, s] == targets[b, s + 2]))) for s in starts for b in range(3)]
+    assert acc["rounds"] == len(counts) and acc["tokens_per_call"] == pytest.approx(1 + sum(counts) / len(counts))
+    assert acc["accept_at_depth"] == pytest.approx([sum(c >= k for c in counts) / len(counts) for k in (1, 2, 3)])
+    assert acc["accept_at_depth"][1] > 0 and acc["accept_at_depth"][0] < 1  # chains accept two drafts, others none
