@@ -40,7 +40,8 @@ HEAD_FILE = "head.safetensors"
 REPORT_FILE = "head_report.json"
 # the report's held-out acceptance keys and what each measures (the target's own greedy text)
 HELD_OUT_SETS = {"held_out": "stdlib continuations", "held_out_app": "answers to app prompts",
-                 "held_out_chat": "answers to self-written chat requests"}
+                 "held_out_chat": "answers to self-written chat requests",
+                 "held_out_extra": "answers to the extra rounds' chat requests"}
 
 
 @dataclass
@@ -71,6 +72,8 @@ class HeadConfig:
     onpolicy_cache: str | None = None  # file keeping the generated windows for reruns (cached_onpolicy)
     onpolicy_round: int = 0  # a generate-only run's round: 0 all the data; K >= 1 only more self-written requests
     onpolicy_extra: tuple[str, ...] = ()  # round K >= 1 caches whose answers the training adds (extra_onpolicy)
+    extra_held_out: int = 64  # of those answers, held out (evenly spaced; at most a quarter): round 0's held-out
+    # chat set is 4 windows, too few to tell two heads apart
     precision: str = "fp32"  # training steps' matmuls: fp32, or bf16 autocast (master weights and the teacher stay fp32)
 
 
@@ -300,6 +303,17 @@ def extra_onpolicy(cfg: HeadConfig, target: str, known: list[torch.Tensor], log:
     return torch.stack(out) if out else torch.zeros(0, cfg.seq_len, dtype=torch.long)
 
 
+def held_out_sample(windows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rest, n evenly spaced windows), n at most a quarter of them: spread over the whole generation, so
+    over every opener and prompt length (the generation sorts runs of prompts by length)."""
+    n = min(n, len(windows) // 4)
+    if n <= 0:
+        return windows, windows[:0]
+    held = torch.zeros(len(windows), dtype=torch.bool)
+    held[torch.arange(n) * (len(windows) // n)] = True
+    return windows[~held], windows[held]
+
+
 def _token_ids(value: Any, dtype: torch.dtype) -> Any:
     """Token-id tensors (alone or in a dict) as `dtype`: the cache stores int32, half the bytes of int64 (a
     shipped cache is a repository file); training indexes with int64."""
@@ -362,6 +376,9 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
         f"({len(requests)} self-written chat requests), {len(gen_held)} + "
         f"{sum(len(v) for v in held_sets.values())} held-out ({time.perf_counter() - t0:.0f} s)")
     extra = extra_onpolicy(cfg, f"{name} ({source})", [app, gen, gen_held, *held_sets.values()], log)
+    extra, held_extra = held_out_sample(extra, cfg.extra_held_out)
+    if len(held_extra):
+        held_sets = {**held_sets, "extra": held_extra}
     windows = torch.cat([app, extra, gen, w_train])
     # the teacher pass's share covers round 0's windows at ~100 minutes; extra rounds' windows need it to grow
     share = (cfg.teacher_share_cached if read else cfg.teacher_share) * len(windows) / (len(windows) - len(extra))

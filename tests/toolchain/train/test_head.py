@@ -21,6 +21,7 @@ from toolchain.train.head import (
     draft_vocabulary,
     extra_onpolicy,
     generate_onpolicy,
+    held_out_sample,
     onpolicy_data,
     train_head,
     training_loss,
@@ -205,13 +206,16 @@ def test_a_training_run_reads_extra_rounds_and_refuses_to_be_one(tmp_path):
                      answer_batch=8, onpolicy_cache=str(tmp_path / "gen.pt"))
     generate_onpolicy(recipe, cfg, log=lambda _m: None)
     target = torch.load(tmp_path / "gen.pt", weights_only=True)["key"]["target"]
-    extra = torch.randint(3, 100, (3, 64), generator=torch.Generator().manual_seed(1))
+    extra = torch.randint(3, 100, (9, 64), generator=torch.Generator().manual_seed(1))
     _round(tmp_path / "r1.pt", 1, extra, target=target, seq_len=64, prompt_len=16)
     said: list[str] = []
-    run = HeadConfig(**{**cfg.__dict__, "minutes": 0.2, "draft_vocab": 64, "onpolicy_extra": (str(tmp_path / "r1.pt"),)})
+    run = HeadConfig(**{**cfg.__dict__, "minutes": 0.2, "draft_vocab": 64, "onpolicy_extra": (str(tmp_path / "r1.pt"),),
+                        "extra_held_out": 2})
     report = train_head(recipe, tmp_path / "head", run, log=said.append)
-    assert report["extra_windows"] == 3 and report["config"]["onpolicy_extra"] == ["r1.pt"]
-    assert any(m.startswith("extra on-policy windows: 3 from") for m in said)
+    assert report["extra_windows"] == 7 and report["config"]["onpolicy_extra"] == ["r1.pt"]  # 2 of 9 held out
+    assert any(m.startswith("extra on-policy windows: 9 from") for m in said)
+    held = report["held_out_extra"]
+    assert held["rounds"] == 2 * (64 - 16 - cfg.gamma - 1)  # both held-out windows measured, from every start
     with pytest.raises(DraftTrainError, match="--onpolicy-round 1: a later round only writes"):
         train_head(recipe, tmp_path / "head2", HeadConfig(**{**cfg.__dict__, "onpolicy_round": 1}), log=said.append)
     with pytest.raises(DraftTrainError, match="--onpolicy-extra: extra rounds are read by a training run"):
@@ -262,3 +266,12 @@ def test_all_chains_in_gamma_passes_draft_what_one_chain_at_a_time_drafts(tmp_pa
     assert acc["rounds"] == len(counts) and acc["tokens_per_call"] == pytest.approx(1 + sum(counts) / len(counts))
     assert acc["accept_at_depth"] == pytest.approx([sum(c >= k for c in counts) / len(counts) for k in (1, 2, 3)])
     assert acc["accept_at_depth"][1] > 0 and acc["accept_at_depth"][0] < 1  # chains accept two drafts, others none
+
+
+def test_the_extra_held_out_windows_are_spread_over_the_rounds_windows():
+    windows = torch.arange(20)[:, None].expand(-1, 3)
+    rest, held = held_out_sample(windows, 4)
+    assert held[:, 0].tolist() == [0, 5, 10, 15] and len(rest) == 16
+    assert not set(held[:, 0].tolist()) & set(rest[:, 0].tolist())
+    assert len(held_out_sample(windows, 64)[1]) == 5  # at most a quarter
+    assert len(held_out_sample(windows[:3], 4)[1]) == 0 and len(held_out_sample(windows, 0)[1]) == 0
