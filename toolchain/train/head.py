@@ -54,6 +54,7 @@ class HeadConfig:
     lr_floor: float = 0.1  # cosine decay over the training's time share down to lr_floor * lr (1.0: constant)
     feature_weight: float = 1.0  # smooth-L1 feature loss beside the KL
     unroll: int = 2
+    unroll_mode: str = "shift"  # "chain": each unrolled row sees the true prefix and its own chain (chain_losses)
     corpus_tokens: int = 262_144  # most stdlib tokens; the teacher pass stops at its time share first
     generated_windows: int = 16  # target continuations of stdlib windows
     app_share: float = 0.2  # of the budget: the target's answers to HumanEval / chat prompts (onpolicy.py)
@@ -93,7 +94,9 @@ def _shift_features(states: torch.Tensor) -> torch.Tensor:
 
 
 def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, unroll: int,
-                feature_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+                feature_weight: float, mode: str = "shift") -> tuple[torch.Tensor, dict[str, float]]:
+    if mode == "chain":
+        return chain_losses(head, windows, states, unroll, feature_weight)
     positions = torch.arange(windows.shape[1])[None].expand(len(windows), -1)
     with torch.no_grad():
         t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
@@ -111,11 +114,40 @@ def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, un
     return total, parts
 
 
+def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, unroll: int,
+                 feature_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The unroll as the chain policy drafts (EAGLE-3's training-time test): pass a runs the blocks of
+    chain_mask, in which row s of block a continues the chain from position s on the head's own features
+    of its block a-1 row and the window's true token at s+a, seeing only the true rows up to s and its
+    own chain; it is trained on the target at s+a. The "shift" unroll instead feeds every row of pass a
+    the head's features from pass a-1, its prefix included, which the runtime never does."""
+    b, t = windows.shape
+    with torch.no_grad():
+        t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
+    mask = chain_mask(t, unroll)
+    feats, toks = [_shift_features(states)], [windows]
+    total, parts = 0.0, {}
+    for a in range(unroll):
+        n = (a + 1) * t
+        positions = torch.cat([torch.arange(t) + k for k in range(a + 1)])[None].expand(b, -1)
+        n_g = head.norm(head.forward_train(torch.cat(feats, 1), torch.cat(toks, 1), positions, normalized=True,
+                                           mask=mask[..., :n, :n])[:, -t:])
+        rows = t - a  # row s of block a is trained on position s + a: the last a rows have no target
+        kl = F.kl_div(F.log_softmax(F.linear(n_g[:, :rows], head.lm_rows), -1).flatten(0, 1),
+                      t_logp[:, a:].flatten(0, 1), log_target=True, reduction="batchmean")
+        feat = F.smooth_l1_loss(n_g[:, :rows], states[:, a:])
+        total = total + (kl + feature_weight * feat) / unroll
+        parts[f"kl{a}"], parts[f"feat{a}"] = kl.item(), feat.item()
+        feats.append(n_g)
+        toks.append(torch.cat([windows[:, a + 1 :], windows[:, -1:].expand(-1, a + 1)], 1))  # true token at s+a+1
+    return total, parts
+
+
 def training_loss(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, cfg: HeadConfig) -> torch.Tensor:
     """One step's loss at the training's precision: bf16 autocast runs the matmuls in bf16 (~1.6x the steps
     per minute on a CPU with AVX512-BF16) while the weights, AdamW's state and the teacher stay fp32."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-        return head_losses(head, windows, states, cfg.unroll, cfg.feature_weight)[0]
+        return head_losses(head, windows, states, cfg.unroll, cfg.feature_weight, cfg.unroll_mode)[0]
 
 
 @torch.no_grad()

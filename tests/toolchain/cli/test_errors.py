@@ -143,6 +143,7 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--unroll", "0"), "--unroll 0"), (("--precision", "fp16"), "--precision 'fp16'"),
                         (("--answer-batch", "0"), "--answer-batch 0"), (("--generate-only",), "--onpolicy-cache FILE"),
                         (("--onpolicy-round", "1"), "--onpolicy-round 1: give K >= 1 with --generate-only"),
+                        (("--unroll-mode", "tree"), "--unroll-mode 'tree': choose shift or chain"),
                         (("--onpolicy-extra", tmp_path / "r1.pt"), "r1.pt: no such file"),
                         (("--generate-only", "--onpolicy-extra", RECIPES / "smollm2-135m.yaml"),
                          "read by a training run")):

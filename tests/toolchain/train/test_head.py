@@ -21,6 +21,7 @@ from toolchain.train.head import (
     draft_vocabulary,
     extra_onpolicy,
     generate_onpolicy,
+    head_losses,
     held_out_sample,
     onpolicy_data,
     train_head,
@@ -275,3 +276,32 @@ def test_the_extra_held_out_windows_are_spread_over_the_rounds_windows():
     assert not set(held[:, 0].tolist()) & set(rest[:, 0].tolist())
     assert len(held_out_sample(windows, 64)[1]) == 5  # at most a quarter
     assert len(held_out_sample(windows[:3], 4)[1]) == 0 and len(held_out_sample(windows, 0)[1]) == 0
+
+
+def test_the_chain_unroll_trains_each_row_on_what_the_chain_policy_would_feed_it(tmp_path):
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "hf", "llama")).float().eval()
+    torch.manual_seed(0)
+    head = DraftHead(target, torch.arange(0, 256, 2), init_layer=-1)
+    head.config._attn_implementation = "sdpa"
+    windows = torch.randint(0, 256, (2, 12))
+    states = torch.randn(2, 12, target.config.hidden_size)
+    one_chain, _ = head_losses(head, windows, states, 1, 1.0, mode="chain")
+    assert one_chain.item() == pytest.approx(head_losses(head, windows, states, 1, 1.0)[0].item(), rel=1e-6)
+    _, parts = head_losses(head, windows, states, 2, 1.0, mode="chain")
+    # the second pass, one start at a time: the true prefix up to s, then the head's own feature for s and the
+    # true token at s+1, trained on the target's next token after s+1
+    t_logp = F.log_softmax(F.linear(states, head.lm_rows), -1)
+    feats = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], 1)
+    kls = []
+    with torch.no_grad():
+        for s in range(11):
+            pos = torch.arange(s + 2)[None].expand(2, -1)
+            g1 = head.forward_train(feats[:, : s + 1], windows[:, : s + 1], pos[:, :-1])[:, -1:]
+            g2 = head.forward_train(torch.cat([feats[:, : s + 1], head.norm(g1)], 1), windows[:, : s + 2], pos)[:, -1]
+            logp = F.log_softmax(F.linear(head.norm(g2), head.lm_rows), -1)
+            kls.append(F.kl_div(logp, t_logp[:, s + 1], log_target=True, reduction="sum") / 2)
+    assert parts["kl1"] == pytest.approx(torch.stack(kls).mean().item(), rel=1e-5)  # a position off: 9e-5
+    assert parts["kl1"] != pytest.approx(head_losses(head, windows, states, 2, 1.0)[1]["kl1"], rel=1e-3)  # not shift's
