@@ -114,6 +114,15 @@ def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, un
     return total, parts
 
 
+def chain_block(head: DraftHead, feats: list[torch.Tensor], toks: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """The head's output rows [B,T,C] of the newest of the chain_mask blocks given so far (`feats` [B,T,C] and
+    `toks` [B,T], one per block; row s of block k sits at position s + k)."""
+    k, (b, t) = len(toks), toks[0].shape
+    positions = torch.cat([torch.arange(t) + a for a in range(k)])[None].expand(b, -1)
+    return head.forward_train(torch.cat(feats, 1), torch.cat(toks, 1), positions, normalized=True,
+                              mask=mask[..., : k * t, : k * t])[:, -t:]
+
+
 def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, unroll: int,
                  feature_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
     """The unroll as the chain policy drafts (EAGLE-3's training-time test): pass a runs the blocks of
@@ -121,17 +130,14 @@ def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, u
     of its block a-1 row and the window's true token at s+a, seeing only the true rows up to s and its
     own chain; it is trained on the target at s+a. The "shift" unroll instead feeds every row of pass a
     the head's features from pass a-1, its prefix included, which the runtime never does."""
-    b, t = windows.shape
+    t = windows.shape[1]
     with torch.no_grad():
         t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
     mask = chain_mask(t, unroll)
     feats, toks = [_shift_features(states)], [windows]
     total, parts = 0.0, {}
     for a in range(unroll):
-        n = (a + 1) * t
-        positions = torch.cat([torch.arange(t) + k for k in range(a + 1)])[None].expand(b, -1)
-        n_g = head.norm(head.forward_train(torch.cat(feats, 1), torch.cat(toks, 1), positions, normalized=True,
-                                           mask=mask[..., :n, :n])[:, -t:])
+        n_g = head.norm(chain_block(head, feats, toks, mask))
         rows = t - a  # row s of block a is trained on position s + a: the last a rows have no target
         kl = F.kl_div(F.log_softmax(F.linear(n_g[:, :rows], head.lm_rows), -1).flatten(0, 1),
                       t_logp[:, a:].flatten(0, 1), log_target=True, reduction="batchmean")
@@ -164,11 +170,8 @@ def draft_chains(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, g
     for i in range(0, b, rows):
         feats, toks = [_shift_features(states[i : i + rows])], [windows[i : i + rows]]
         drafts, gs = [], []
-        for a in range(gamma):
-            n = (a + 1) * t
-            positions = torch.cat([torch.arange(t) + k for k in range(a + 1)])[None].expand(len(toks[0]), -1)
-            g = head.forward_train(torch.cat(feats, 1), torch.cat(toks, 1), positions, normalized=True,
-                                   mask=mask[..., :n, :n])[:, -t:]
+        for _ in range(gamma):
+            g = chain_block(head, feats, toks, mask)
             d = head.vocab_ids[head.logits(g).argmax(-1)]
             drafts.append(d)
             gs.append(g)
