@@ -305,3 +305,15 @@ def test_the_chain_unroll_trains_each_row_on_what_the_chain_policy_would_feed_it
             kls.append(F.kl_div(logp, t_logp[:, s + 1], log_target=True, reduction="sum") / 2)
     assert parts["kl1"] == pytest.approx(torch.stack(kls).mean().item(), rel=1e-5)  # a position off: 9e-5
     assert parts["kl1"] != pytest.approx(head_losses(head, windows, states, 2, 1.0)[1]["kl1"], rel=1e-3)  # not shift's
+
+
+def test_the_shipped_extra_round_reads_as_new_answers_beside_the_shipped_round_0():
+    from pathlib import Path
+
+    assets = Path(__file__).resolve().parents[3] / "assets" / "heads" / "smollm2-135m"
+    round0 = torch.load(assets / "onpolicy-1600.pt", weights_only=True)
+    known = [round0["app"], round0["gen"], round0["gen_held"], *round0["held_sets"].values()]
+    said: list[str] = []
+    cfg = HeadConfig(onpolicy_extra=(str(assets / "onpolicy-1600-r1.pt"),))
+    extra = extra_onpolicy(cfg, round0["key"]["target"], known, said.append)
+    assert extra.shape == (1600, 256) and said[0].endswith("(round 1; 0 already known)")
