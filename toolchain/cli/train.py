@@ -56,7 +56,7 @@ def train_draft(
                                        "target's answers, with no time limit) and stop; training runs then read it"),
     unroll_mode: str = typer.Option("shift", "--unroll-mode", help="head: shift (each unrolled pass reads the "
                                      "head's own features on every row) or chain (each unrolled row sees the true "
-                                     "prefix and its own chain, as the chain policy drafts; 1.36x a step's time)"),
+                                     "prefix and its own chain, as the chain policy drafts; 1.06x-1.36x a step's time)"),
     onpolicy_round: int = typer.Option(0, "--onpolicy-round", help="head, with --generate-only: K >= 1 writes only "
                                        "answers to --self-chat more requests the target writes itself (other ones "
                                        "for each K), for a training's --onpolicy-extra"),
