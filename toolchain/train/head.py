@@ -208,9 +208,7 @@ def onpolicy_data(target: Any, tok: Any, train: np.ndarray, held: np.ndarray, cf
     gen = target_continuations(target, train, cfg.generated_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed,
                                seconds=budget * 0.25)
     gen_held = target_continuations(target, held, cfg.held_out_windows, cfg.seq_len, cfg.prompt_len, 16, cfg.seed + 1)
-    openers = onpolicy.REQUEST_OPENERS if cfg.self_chat_openers else ("",)
-    requests = onpolicy.self_chat_requests(target, tok, cfg.self_chat + cfg.held_out_windows, cfg.seed,
-                                           seconds=budget * cfg.self_chat_share, openers=openers, log=log)
+    requests = _self_chat(target, tok, cfg, cfg.self_chat + cfg.held_out_windows, budget, log)
     prompts = onpolicy.app_prompts(tok, cfg.app_chat_prompts, cfg.seed, requests[cfg.held_out_windows:])
     pad = tok.eos_token_id or 0
     app = onpolicy.prompt_continuations(target, prompts[cfg.held_out_windows:], cfg.seq_len, cfg.prompt_len,
@@ -220,6 +218,14 @@ def onpolicy_data(target: Any, tok: Any, train: np.ndarray, held: np.ndarray, cf
     held_sets = {k: onpolicy.prompt_continuations(target, v, cfg.seq_len, cfg.prompt_len, cfg.answer_batch,
                                                   float("inf"), pad_id=pad) for k, v in held_prompts.items() if v}
     return {"gen": gen, "gen_held": gen_held, "app": app, "requests": requests, "held_sets": held_sets}
+
+
+def _self_chat(target: Any, tok: Any, cfg: HeadConfig, n: int, budget: float,
+               log: Callable[[str], None] | None) -> list[str]:
+    """`n` requests the target writes itself for this round (its seed, openers and budget share)."""
+    openers = onpolicy.REQUEST_OPENERS if cfg.self_chat_openers else ("",)
+    return onpolicy.self_chat_requests(target, tok, n, round_seed(cfg), seconds=budget * cfg.self_chat_share,
+                                       openers=openers, log=log)
 
 
 def round_seed(cfg: HeadConfig) -> int:
@@ -233,9 +239,7 @@ def more_self_chat(target: Any, tok: Any, cfg: HeadConfig, budget: float,
     round_seed, so other requests than round 0's) and its greedy answers to them, all for training. The
     HumanEval and stdlib prompts and the held-out sets are round 0's alone: answering them again would
     give the same greedy windows."""
-    openers = onpolicy.REQUEST_OPENERS if cfg.self_chat_openers else ("",)
-    requests = onpolicy.self_chat_requests(target, tok, cfg.self_chat, round_seed(cfg),
-                                           seconds=budget * cfg.self_chat_share, openers=openers, log=log)
+    requests = _self_chat(target, tok, cfg, cfg.self_chat, budget, log)
     prompts = [encode(tok, ChatPrompt(r)) for r in requests]
     app = onpolicy.prompt_continuations(target, prompts, cfg.seq_len, cfg.prompt_len, cfg.answer_batch,
                                         budget * cfg.app_share, pad_id=tok.eos_token_id or 0, log=log)
