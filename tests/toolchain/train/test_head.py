@@ -307,13 +307,15 @@ def test_the_chain_unroll_trains_each_row_on_what_the_chain_policy_would_feed_it
     assert parts["kl1"] != pytest.approx(head_losses(head, windows, states, 2, 1.0)[1]["kl1"], rel=1e-3)  # not shift's
 
 
-def test_the_shipped_extra_round_reads_as_new_answers_beside_the_shipped_round_0():
+def test_the_shipped_extra_rounds_read_as_new_answers_beside_the_shipped_round_0():
     from pathlib import Path
 
     assets = Path(__file__).resolve().parents[3] / "assets" / "heads" / "smollm2-135m"
     round0 = torch.load(assets / "onpolicy-1600.pt", weights_only=True)
     known = [round0["app"], round0["gen"], round0["gen_held"], *round0["held_sets"].values()]
+    rounds = sorted(assets.glob("onpolicy-*-r*.pt"), key=lambda p: int(p.stem.rsplit("-r", 1)[1]))
+    assert [p.name for p in rounds] == ["onpolicy-1600-r1.pt", "onpolicy-800-r2.pt"]
     said: list[str] = []
-    cfg = HeadConfig(onpolicy_extra=(str(assets / "onpolicy-1600-r1.pt"),))
-    extra = extra_onpolicy(cfg, round0["key"]["target"], known, said.append)
-    assert extra.shape == (1600, 256) and said[0].endswith("(round 1; 0 already known)")
+    extra = extra_onpolicy(HeadConfig(onpolicy_extra=tuple(map(str, rounds))), round0["key"]["target"], known, said.append)
+    assert extra.shape == (1600 + 800, 256)  # no round repeats a window of round 0 or of another round
+    assert [s.rsplit("(", 1)[1] for s in said] == ["round 1; 0 already known)", "round 2; 0 already known)"]
