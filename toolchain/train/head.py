@@ -302,6 +302,11 @@ def _read_cache(path: Path, option: str) -> dict[str, Any]:
     return saved
 
 
+def round0_windows(data: dict[str, Any]) -> list[torch.Tensor]:
+    """Every window of a round-0 cache, held-out ones included: what an extra round must not repeat."""
+    return [data["app"], data["gen"], data["gen_held"], *data["held_sets"].values()]
+
+
 def extra_onpolicy(cfg: HeadConfig, target: str, known: list[torch.Tensor], log: Callable[[str], None]) -> torch.Tensor:
     """The answer windows of `cfg.onpolicy_extra`: caches of rounds K >= 1 (`--generate-only --onpolicy-round K`)
     for this target and window shape. A window equal to one in `known` (round 0's training and held-out
@@ -414,7 +419,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows "
         f"({len(requests)} self-written chat requests), {len(gen_held)} + "
         f"{sum(len(v) for v in held_sets.values())} held-out ({time.perf_counter() - t0:.0f} s)")
-    extra = extra_onpolicy(cfg, f"{name} ({source})", [app, gen, gen_held, *held_sets.values()], log)
+    extra = extra_onpolicy(cfg, f"{name} ({source})", round0_windows(data), log)
     extra, held_extra = held_out_sample(extra, cfg.extra_held_out)
     if len(held_extra):
         held_sets = {**held_sets, "extra": held_extra}

@@ -24,6 +24,7 @@ from toolchain.train.head import (
     head_losses,
     held_out_sample,
     onpolicy_data,
+    round0_windows,
     train_head,
     training_loss,
 )
@@ -179,7 +180,7 @@ def test_extra_rounds_add_their_new_windows_and_are_refused_when_they_do_not_fit
     # a known answer, a held-out answer (must stay out of training), two new ones, one of them twice
     _round(tmp_path / "r1.pt", 1, torch.stack([base["app"][0], base["held_sets"]["app"][0], new[0], new[1], new[0]]))
     _round(tmp_path / "r2.pt", 2, torch.stack([new[1], new[0] + 1]))
-    known = [base["app"], base["gen"], base["gen_held"], *base["held_sets"].values()]
+    known = round0_windows(base)
     said: list[str] = []
     cfg = HeadConfig(onpolicy_extra=(str(tmp_path / "r1.pt"), str(tmp_path / "r2.pt")))
     got = extra_onpolicy(cfg, "t", known, said.append)
@@ -312,7 +313,7 @@ def test_the_shipped_extra_rounds_read_as_new_answers_beside_the_shipped_round_0
 
     assets = Path(__file__).resolve().parents[3] / "assets" / "heads" / "smollm2-135m"
     round0 = torch.load(assets / "onpolicy-1600.pt", weights_only=True)
-    known = [round0["app"], round0["gen"], round0["gen_held"], *round0["held_sets"].values()]
+    known = round0_windows(round0)
     rounds = sorted(assets.glob("onpolicy-*-r*.pt"), key=lambda p: int(p.stem.rsplit("-r", 1)[1]))
     assert [p.name for p in rounds] == ["onpolicy-1600-r1.pt", "onpolicy-800-r2.pt"]
     said: list[str] = []
