@@ -315,8 +315,9 @@ def test_the_shipped_extra_rounds_read_as_new_answers_beside_the_shipped_round_0
     round0 = torch.load(assets / "onpolicy-1600.pt", weights_only=True)
     known = round0_windows(round0)
     rounds = sorted(assets.glob("onpolicy-*-r*.pt"), key=lambda p: int(p.stem.rsplit("-r", 1)[1]))
-    assert [p.name for p in rounds] == ["onpolicy-1600-r1.pt", "onpolicy-800-r2.pt"]
+    assert [p.name for p in rounds] == ["onpolicy-1600-r1.pt", "onpolicy-800-r2.pt", "onpolicy-1024-r3.pt"]
     said: list[str] = []
     extra = extra_onpolicy(HeadConfig(onpolicy_extra=tuple(map(str, rounds))), round0["key"]["target"], known, said.append)
-    assert extra.shape == (1600 + 800, 256)  # no round repeats a window of round 0 or of another round
-    assert [s.rsplit("(", 1)[1] for s in said] == ["round 1; 0 already known)", "round 2; 0 already known)"]
+    assert extra.shape == (1600 + 800 + 1024, 256)  # no round repeats a window of round 0 or of another round
+    assert [s.rsplit("(", 1)[1] for s in said] == ["round 1; 0 already known)", "round 2; 0 already known)",
+                                                   "round 3; 0 already known)"]
