@@ -18,6 +18,7 @@ round at gamma = 4, and per-depth acceptance).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -76,6 +77,8 @@ class HeadConfig:
     extra_held_out: int = 64  # of those answers, held out (evenly spaced; at most a quarter): round 0's held-out
     # chat set is 4 windows, too few to tell two heads apart
     precision: str = "fp32"  # training steps' matmuls: fp32, or bf16 autocast (master weights and the teacher stay fp32)
+    teacher_precision: str = "fp32"  # the teacher pass over the training windows (held-out sets stay fp32)
+    teacher_cache: str | None = None  # local file keeping the teacher pass's states for reruns (cached_teacher)
 
 
 def draft_vocabulary(streams: list[np.ndarray], size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -302,6 +305,48 @@ def _read_cache(path: Path, option: str) -> dict[str, Any]:
     return saved
 
 
+def windows_digest(windows: torch.Tensor) -> str:
+    """A short fingerprint of token windows (their int32 ids and shape): what a teacher cache was computed on."""
+    ids = windows.to(torch.int32).contiguous().numpy()
+    return hashlib.sha256(str(ids.shape).encode() + ids.tobytes()).hexdigest()[:32]
+
+
+def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Callable[[str], None],
+                   compute: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """`compute()`'s teacher states for `windows` (fp32, maybe for a prefix of them when the pass ran out of
+    time), and whether they were read from `cfg.teacher_cache`: read when that file holds this target's states
+    for exactly these windows at this precision (the pass is ~a third of a 100-minute run; a rerun then spends
+    it on steps), else computed and written there in fp16 (~0.3 MB per 256-token window at 576 features).
+    A file for other windows or settings is refused, not overwritten."""
+    if not cfg.teacher_cache:
+        return compute(), False
+    path = Path(cfg.teacher_cache)
+    key = {"target": target, "teacher_precision": cfg.teacher_precision, "windows": windows_digest(windows)}
+    if path.is_file():
+        try:
+            saved = torch.load(path, weights_only=True)
+        except Exception as exc:
+            saved = exc
+        old = saved.get("key") if isinstance(saved, dict) else None
+        if not isinstance(old, dict) or "states" not in saved:
+            raise DraftTrainError(f"--teacher-cache {path}: not a teacher cache this command wrote "
+                                  f"({type(saved).__name__}); delete it or give another path")
+        if old != key:
+            what = {"target": "the target", "teacher_precision": "--teacher-precision",
+                    "windows": "the training windows (other --onpolicy-cache/--onpolicy-extra data or settings)"}
+            diff = ", ".join(what[k] for k in key if old.get(k) != key[k])
+            raise DraftTrainError(f"--teacher-cache {path} holds the teacher states of another run: {diff} differ; "
+                                  "delete it or give another path")
+        states = saved["states"].float()
+        log(f"teacher states read from {path} ({len(states)} of {len(windows)} windows; teacher pass skipped)")
+        return states, True
+    states = compute()
+    with atomic_file(path) as tmp:  # a run stopped mid-write leaves no cache that looks complete
+        torch.save({"key": key, "states": states.half()}, tmp)
+    log(f"teacher states written to {path} ({len(states)} windows)")
+    return states, False
+
+
 def round0_windows(data: dict[str, Any]) -> list[torch.Tensor]:
     """Every window of a round-0 cache, held-out ones included: what an extra round must not repeat."""
     return [data["app"], data["gen"], data["gen_held"], *data["held_sets"].values()]
@@ -427,7 +472,8 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     # the teacher pass's share covers round 0's windows at ~100 minutes; extra rounds' windows need it to grow
     share = (cfg.teacher_share_cached if read else cfg.teacher_share) * len(windows) / (len(windows) - len(extra))
     share = min(share, 0.4)
-    states, _ = teacher_states(target, windows, budget * share, cfg.batch, log)
+    states, _ = cached_teacher(cfg, f"{name} ({source})", windows, log, lambda: teacher_states(
+        target, windows, budget * share, cfg.batch, log, precision=cfg.teacher_precision)[0])
     windows = windows[: len(states)]
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
     held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]
@@ -468,6 +514,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     save_head(head, out_dir / HEAD_FILE)
     # the cache by file name: its full path is this machine's (the cache's key checked what it holds)
     config = {**asdict(cfg), "onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
+              "teacher_cache": Path(cfg.teacher_cache).name if cfg.teacher_cache else None,
               "onpolicy_extra": [Path(p).name for p in cfg.onpolicy_extra]}
     report = {"target": name, "target_source": source, "config": config,
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),

@@ -145,6 +145,8 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--onpolicy-round", "1"), "--onpolicy-round 1: give K >= 1 with --generate-only"),
                         (("--unroll-mode", "tree"), "--unroll-mode 'tree': choose shift or chain"),
                         (("--onpolicy-extra", tmp_path / "r1.pt"), "r1.pt: no such file"),
+                        (("--teacher-precision", "fp16"), "--teacher-precision 'fp16': choose fp32 or bf16"),
+                        (("--generate-only", "--teacher-cache", tmp_path / "t.pt"), "--teacher-cache: the teacher pass"),
                         (("--generate-only", "--onpolicy-extra", RECIPES / "smollm2-135m.yaml"),
                          "read by a training run")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)

@@ -16,6 +16,7 @@ from toolchain.train.head import (
     REPORT_FILE,
     HeadConfig,
     cached_onpolicy,
+    cached_teacher,
     chain_acceptance,
     draft_chains,
     draft_vocabulary,
@@ -90,6 +91,40 @@ def test_the_onpolicy_cache_is_written_once_then_read_and_refused_for_other_sett
     assert cached_onpolicy(HeadConfig(), "t", lambda _m: None, lambda: _windows(3))[0]["app"].shape == (3, 8)
 
 
+def test_the_teacher_cache_is_written_once_then_read_and_refused_for_other_windows(tmp_path):
+    cache = tmp_path / "c" / "teacher.pt"
+    cfg = HeadConfig(teacher_cache=str(cache))
+    windows = torch.randint(0, 100, (3, 8), generator=torch.Generator().manual_seed(0))
+    states = torch.randn(2, 8, 4)  # the pass ran out of time after 2 of the 3 windows
+    said: list[str] = []
+    first, read = cached_teacher(cfg, "t", windows, said.append, lambda: states)
+    assert not read and first is states and [p.name for p in cache.parent.iterdir()] == [cache.name]
+    assert torch.load(cache, weights_only=True)["states"].dtype == torch.float16  # half the bytes on disk
+
+    def must_not_compute():
+        raise AssertionError("the teacher ran although the cache holds its states for these windows")
+
+    again, read = cached_teacher(cfg, "t", windows.clone(), said.append, must_not_compute)
+    assert read and again.dtype == torch.float32 and again.shape == (2, 8, 4)
+    torch.testing.assert_close(again, states, rtol=1e-3, atol=1e-3)
+    assert said[-1].endswith("(2 of 3 windows; teacher pass skipped)")
+    other = windows.clone()
+    other[2, 7] += 1  # one token of one window differs
+    with pytest.raises(DraftTrainError, match="another run: the training windows"):
+        cached_teacher(cfg, "t", other, said.append, must_not_compute)
+    with pytest.raises(DraftTrainError, match="another run: --teacher-precision differ"):
+        cached_teacher(HeadConfig(teacher_cache=str(cache), teacher_precision="bf16"), "t", windows, said.append,
+                       must_not_compute)
+    with pytest.raises(DraftTrainError, match="another run: the target differ"):
+        cached_teacher(cfg, "another target", windows, said.append, must_not_compute)
+    torch.testing.assert_close(torch.load(cache, weights_only=True)["states"].float(), states, rtol=1e-3, atol=1e-3)
+    junk = tmp_path / "junk.pt"
+    torch.save({"key": {}}, junk)  # a dict with a key, but no states
+    with pytest.raises(DraftTrainError, match="not a teacher cache this command wrote"):
+        cached_teacher(HeadConfig(teacher_cache=str(junk)), "t", windows, said.append, must_not_compute)
+    assert cached_teacher(HeadConfig(), "t", windows, said.append, lambda: states)[0] is states  # no cache: no file
+
+
 def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
     junk = tmp_path / "notes.pt"
     junk.write_text("not a cache")
@@ -134,10 +169,16 @@ def test_generate_only_writes_the_cache_a_training_run_then_reads(tmp_path):
     assert any(m.startswith("answers: ") for m in said)  # generation reports its progress
     with pytest.raises(DraftTrainError, match="--onpolicy-cache"):
         generate_onpolicy(recipe, HeadConfig(), log=said.append)
-    report = train_head(recipe, tmp_path / "head", HeadConfig(**{**cfg.__dict__, "minutes": 0.2, "draft_vocab": 64}),
-                        log=said.append)
+    run = HeadConfig(**{**cfg.__dict__, "minutes": 0.2, "draft_vocab": 64, "teacher_precision": "bf16",
+                        "teacher_cache": str(tmp_path / "teacher.pt")})
+    report = train_head(recipe, tmp_path / "head", run, log=said.append)
     assert report["app_windows"] == counts["app_windows"]
     assert any("generation skipped" in m for m in said)
+    assert report["config"]["teacher_cache"] == "teacher.pt"  # the file's name, not this machine's path
+    assert any(m.startswith("teacher states written to") for m in said)
+    said.clear()
+    again = train_head(recipe, tmp_path / "head2", run, log=said.append)  # the same windows: the pass is skipped
+    assert any("teacher pass skipped" in m for m in said) and again["train_windows"] == report["train_windows"]
 
 
 def test_bf16_training_runs_the_loss_in_bf16_close_to_fp32(tmp_path):
