@@ -362,3 +362,40 @@ def test_the_shipped_extra_rounds_read_as_new_answers_beside_the_shipped_round_0
     assert extra.shape == (1600 + 800 + 1024, 256)  # no round repeats a window of round 0 or of another round
     assert [s.rsplit("(", 1)[1] for s in said] == ["round 1; 0 already known)", "round 2; 0 already known)",
                                                    "round 3; 0 already known)"]
+
+
+def test_the_shipped_head_recipes_name_the_command_its_report_records():
+    """made_by is how a user re-creates the shipped head: every option it gives must be what the training ran
+    with (its head_report.json's config), in both recipes of those weights."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from toolchain.compile.recipe import load_recipe
+
+    root = Path(__file__).resolve().parents[3]
+    config = json.loads((root / "assets" / "heads" / "smollm2-135m" / REPORT_FILE).read_text())["config"]
+    for name in ("smollm2-135m-head.yaml", "smollm2-135m-head-cpu.yaml"):
+        made_by = load_recipe(root / "recipes" / name).head.made_by
+        words = shlex.split(re.search(r"`(mobc train draft [^`]*)`", made_by).group(1))
+        given: dict[str, list[str]] = {}
+        for i, w in enumerate(words):
+            if w.startswith("--"):
+                flag = i + 1 == len(words) or words[i + 1].startswith("--")
+                given.setdefault(w[2:].replace("-", "_"), []).append("True" if flag else words[i + 1])
+        assert given.pop("kind") == ["head"] and given.pop("out") == ["assets/heads/smollm2-135m"]
+        given.pop("teacher_cache", None)  # a local scratch file; the report keeps only its name
+        assert given, name
+        for key, values in given.items():
+            want = config[key] if isinstance(config[key], list) else [config[key]]
+            if key.startswith("onpolicy"):  # the report keeps file names, not paths
+                values = [Path(v).name for v in values]
+            assert len(values) == len(want) and all(map(_same_setting, values, want)), (name, key, values, want)
+
+
+def _same_setting(given: str, recorded: object) -> bool:
+    """`--minutes 108` is the report's 108.0; `--precision bf16` its "bf16"; a flag's True its true."""
+    try:
+        return float(given) == float(recorded)
+    except (TypeError, ValueError):
+        return given == str(recorded)
