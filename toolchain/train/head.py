@@ -290,18 +290,24 @@ def cached_onpolicy(cfg: HeadConfig, target: str, log: Callable[[str], None],
     return data, False
 
 
-def _read_cache(path: Path, option: str) -> dict[str, Any]:
-    """A cache file this command wrote, its key completed: a setting added after the file was written had its
-    default then (the text it decides did not vary)."""
+def _load_keyed(path: Path, option: str, kind: str = "a cache", needs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A file this command wrote (a dict with a `key` dict and the entries `needs`), else refused by name."""
     try:
         saved = torch.load(path, weights_only=True)
     except Exception as exc:
         saved = exc
     key = saved.get("key") if isinstance(saved, dict) else None
-    if not isinstance(key, dict):
-        raise DraftTrainError(f"{option} {path}: not a cache this command wrote ({type(saved).__name__}); "
+    if not isinstance(key, dict) or any(k not in saved for k in needs):
+        raise DraftTrainError(f"{option} {path}: not {kind} this command wrote ({type(saved).__name__}); "
                               "delete it or give another path")
-    saved["key"] = {**{k: HeadConfig.__dataclass_fields__[k].default for k in CACHE_KEYS}, **key}
+    return saved
+
+
+def _read_cache(path: Path, option: str) -> dict[str, Any]:
+    """An on-policy cache file this command wrote, its key completed: a setting added after the file was written
+    had its default then (the text it decides did not vary)."""
+    saved = _load_keyed(path, option)
+    saved["key"] = {**{k: HeadConfig.__dataclass_fields__[k].default for k in CACHE_KEYS}, **saved["key"]}
     return saved
 
 
@@ -323,14 +329,8 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
     path = Path(cfg.teacher_cache)
     key = {"target": target, "teacher_precision": cfg.teacher_precision, "windows": windows_digest(windows)}
     if path.is_file():
-        try:
-            saved = torch.load(path, weights_only=True)
-        except Exception as exc:
-            saved = exc
-        old = saved.get("key") if isinstance(saved, dict) else None
-        if not isinstance(old, dict) or "states" not in saved:
-            raise DraftTrainError(f"--teacher-cache {path}: not a teacher cache this command wrote "
-                                  f"({type(saved).__name__}); delete it or give another path")
+        saved = _load_keyed(path, "--teacher-cache", kind="a teacher cache", needs=("states",))
+        old = saved["key"]
         if old != key:
             what = {"target": "the target", "teacher_precision": "--teacher-precision",
                     "windows": "the training windows (other --onpolicy-cache/--onpolicy-extra data or settings)"}
@@ -458,13 +458,14 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     budget = cfg.minutes * 60
     target, tok, name, source, train, held = _target_and_text(recipe_path, cfg)
     w_train = token_windows(train, cfg.seq_len)
-    data, read = cached_onpolicy(cfg, f"{name} ({source})", log,
+    target_id = f"{name} ({source})"  # what every cache's key names the target by
+    data, read = cached_onpolicy(cfg, target_id, log,
                                  lambda: onpolicy_data(target, tok, train, held, cfg, budget, log))
     gen, gen_held, app, requests, held_sets = (data[k] for k in ("gen", "gen_held", "app", "requests", "held_sets"))
     log(f"target continuations: {len(gen)} stdlib + {len(app)} app-prompt training windows "
         f"({len(requests)} self-written chat requests), {len(gen_held)} + "
         f"{sum(len(v) for v in held_sets.values())} held-out ({time.perf_counter() - t0:.0f} s)")
-    extra = extra_onpolicy(cfg, f"{name} ({source})", round0_windows(data), log)
+    extra = extra_onpolicy(cfg, target_id, round0_windows(data), log)
     extra, held_extra = held_out_sample(extra, cfg.extra_held_out)
     if len(held_extra):
         held_sets = {**held_sets, "extra": held_extra}
@@ -472,7 +473,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     # the teacher pass's share covers round 0's windows at ~100 minutes; extra rounds' windows need it to grow
     share = (cfg.teacher_share_cached if read else cfg.teacher_share) * len(windows) / (len(windows) - len(extra))
     share = min(share, 0.4)
-    states, _ = cached_teacher(cfg, f"{name} ({source})", windows, log, lambda: teacher_states(
+    states, _ = cached_teacher(cfg, target_id, windows, log, lambda: teacher_states(
         target, windows, budget * share, cfg.batch, log, precision=cfg.teacher_precision)[0])
     windows = windows[: len(states)]
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
