@@ -66,8 +66,8 @@ def train_draft(
                                           "training windows in fp32 or bf16 (autocast; 1.38x faster here, 0.994 "
                                           "argmax agreement; the held-out sets stay fp32)"),
     teacher_cache: Path | None = typer.Option(None, "--teacher-cache", help="head: local file keeping the teacher "
-                                              "pass's states (fp16, ~0.3 MB per window); a rerun on the same windows "
-                                              "reads them and spends the pass's time on steps"),
+                                              "pass's states (fp16, ~0.3 MB per window); a rerun reads those of the "
+                                              "windows it holds and runs the pass over the others only"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""

@@ -18,7 +18,6 @@ round at gamma = 4, and per-depth acceptance).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -311,40 +310,54 @@ def _read_cache(path: Path, option: str) -> dict[str, Any]:
     return saved
 
 
-def windows_digest(windows: torch.Tensor) -> str:
-    """A short fingerprint of token windows (their int32 ids and shape): what a teacher cache was computed on."""
-    ids = windows.to(torch.int32).contiguous().numpy()
-    return hashlib.sha256(str(ids.shape).encode() + ids.tobytes()).hexdigest()[:32]
-
-
 def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Callable[[str], None],
-                   compute: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """`compute()`'s teacher states for `windows` (fp32, maybe for a prefix of them when the pass ran out of
-    time), and whether they were read from `cfg.teacher_cache`: read when that file holds this target's states
-    for exactly these windows at this precision (the pass is ~a third of a 100-minute run; a rerun then spends
-    it on steps), else computed and written there in fp16 (~0.3 MB per 256-token window at 576 features).
-    A file for other windows or settings is refused, not overwritten."""
+                   compute: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows that have teacher states and those states (fp32), in `windows`' order. `compute(w)` runs the
+    pass over windows `w` and may stop after a prefix of them when its time runs out. With `cfg.teacher_cache`
+    the file's states are read for every window it holds (this target, this precision) and the pass runs only
+    over the others; the file then keeps both (fp16, ~0.3 MB per 256-token window at 576 features), so a run
+    that adds a round of answers pays the pass for that round alone. A file for another target or precision,
+    or not written by this command, is refused, not overwritten."""
     if not cfg.teacher_cache:
-        return compute(), False
+        states = compute(windows)
+        return windows[: len(states)], states
     path = Path(cfg.teacher_cache)
-    key = {"target": target, "teacher_precision": cfg.teacher_precision, "windows": windows_digest(windows)}
+    key = {"target": target, "teacher_precision": cfg.teacher_precision}
+    saved = {"windows": windows[:0].to(torch.int32), "states": torch.empty(0, windows.shape[1], 0, dtype=torch.half)}
     if path.is_file():
-        saved = _load_keyed(path, "--teacher-cache", kind="a teacher cache", needs=("states",))
+        saved = _load_keyed(path, "--teacher-cache", kind="a teacher cache", needs=("states", "windows"))
         old = saved["key"]
         if old != key:
-            what = {"target": "the target", "teacher_precision": "--teacher-precision",
-                    "windows": "the training windows (other --onpolicy-cache/--onpolicy-extra data or settings)"}
-            diff = ", ".join(what[k] for k in key if old.get(k) != key[k])
-            raise DraftTrainError(f"--teacher-cache {path} holds the teacher states of another run: {diff} differ; "
+            what = {"target": "the target", "teacher_precision": "--teacher-precision"}
+            diff = " and ".join(what[k] for k in key if old.get(k) != key[k])
+            raise DraftTrainError(f"--teacher-cache {path} holds the teacher states of another run ({diff}); "
                                   "delete it or give another path")
-        states = saved["states"].float()
-        log(f"teacher states read from {path} ({len(states)} of {len(windows)} windows; teacher pass skipped)")
-        return states, True
-    states = compute()
+        if saved["windows"].shape[1] != windows.shape[1]:
+            raise DraftTrainError(f"--teacher-cache {path} holds {saved['windows'].shape[1]}-token windows "
+                                  f"(this run: --seq-len {windows.shape[1]}); delete it or give another path")
+    row_of = {bytes(w.numpy()): i for i, w in enumerate(saved["windows"])}
+    ids = windows.to(torch.int32)
+    found = [row_of.get(bytes(w.numpy())) for w in ids]
+    missing = [i for i, j in enumerate(found) if j is None]
+    if not missing:
+        log(f"teacher states read from {path} ({len(windows)} windows; teacher pass skipped)")
+        return windows, saved["states"][torch.tensor(found, dtype=torch.long)].float()
+    if len(missing) < len(windows):
+        log(f"teacher states read from {path} for {len(windows) - len(missing)} of {len(windows)} windows; "
+            f"the pass runs over the other {len(missing)}")
+    new = compute(windows[missing])
+    keep = [i for i, j in enumerate(found) if j is not None] + missing[: len(new)]
+    keep.sort()  # the run's own order: with the same data, the same rows at the same steps as without a cache
+    at = {i: n for n, i in enumerate(missing[: len(new)])}
+    states = torch.empty(len(keep), windows.shape[1], new.shape[-1])
+    for r, i in enumerate(keep):
+        states[r] = new[at[i]] if found[i] is None else saved["states"][found[i]].float()
     with atomic_file(path) as tmp:  # a run stopped mid-write leaves no cache that looks complete
-        torch.save({"key": key, "states": states.half()}, tmp)
-    log(f"teacher states written to {path} ({len(states)} windows)")
-    return states, False
+        torch.save({"key": key, "windows": torch.cat([saved["windows"], ids[missing[: len(new)]]]),
+                    "states": torch.cat([saved["states"].reshape(-1, windows.shape[1], new.shape[-1]),
+                                         new.half()])}, tmp)
+    log(f"teacher states written to {path} ({len(saved['windows']) + len(new)} windows, {len(new)} new)")
+    return windows[keep], states
 
 
 def round0_windows(data: dict[str, Any]) -> list[torch.Tensor]:
@@ -473,9 +486,8 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     # the teacher pass's share covers round 0's windows at ~100 minutes; extra rounds' windows need it to grow
     share = (cfg.teacher_share_cached if read else cfg.teacher_share) * len(windows) / (len(windows) - len(extra))
     share = min(share, 0.4)
-    states, _ = cached_teacher(cfg, target_id, windows, log, lambda: teacher_states(
-        target, windows, budget * share, cfg.batch, log, precision=cfg.teacher_precision)[0])
-    windows = windows[: len(states)]
+    windows, states = cached_teacher(cfg, target_id, windows, log, lambda w: teacher_states(
+        target, w, budget * share, cfg.batch, log, precision=cfg.teacher_precision)[0])
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
     held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]
                    for k, v in held_sets.items() if len(v)}

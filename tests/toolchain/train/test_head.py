@@ -91,38 +91,65 @@ def test_the_onpolicy_cache_is_written_once_then_read_and_refused_for_other_sett
     assert cached_onpolicy(HeadConfig(), "t", lambda _m: None, lambda: _windows(3))[0]["app"].shape == (3, 8)
 
 
-def test_the_teacher_cache_is_written_once_then_read_and_refused_for_other_windows(tmp_path):
+def test_the_teacher_cache_reads_the_windows_it_holds_and_computes_only_the_others(tmp_path):
     cache = tmp_path / "c" / "teacher.pt"
     cfg = HeadConfig(teacher_cache=str(cache))
     windows = torch.randint(0, 100, (3, 8), generator=torch.Generator().manual_seed(0))
-    states = torch.randn(2, 8, 4)  # the pass ran out of time after 2 of the 3 windows
-    said: list[str] = []
-    first, read = cached_teacher(cfg, "t", windows, said.append, lambda: states)
-    assert not read and first is states and [p.name for p in cache.parent.iterdir()] == [cache.name]
-    assert torch.load(cache, weights_only=True)["states"].dtype == torch.float16  # half the bytes on disk
+    full = torch.randn(3, 8, 4)
+    asked: list[torch.Tensor] = []
 
-    def must_not_compute():
+    def teacher(stop_after: int):
+        def compute(w):  # each window's states are its own (full's row), as a real pass's are
+            asked.append(w.clone())
+            rows = [next(i for i in range(3) if torch.equal(windows[i], r)) for r in w]
+            return full[rows][:stop_after]
+        return compute
+
+    said: list[str] = []
+    kept, first = cached_teacher(cfg, "t", windows, said.append, teacher(2))  # out of time after 2 of the 3
+    assert torch.equal(kept, windows[:2]) and torch.equal(first, full[:2])
+    assert [p.name for p in cache.parent.iterdir()] == [cache.name]
+    saved = torch.load(cache, weights_only=True)
+    assert saved["states"].dtype == torch.float16 and saved["windows"].dtype == torch.int32  # half the bytes
+    asked.clear()
+    kept, again = cached_teacher(cfg, "t", windows.clone(), said.append, teacher(3))
+    assert len(asked) == 1 and torch.equal(asked[0], windows[2:])  # the pass ran over the missing window only
+    assert torch.equal(kept, windows) and again.dtype == torch.float32
+    torch.testing.assert_close(again, full, rtol=1e-3, atol=1e-3)  # in the run's order, read and new rows alike
+    assert "for 2 of 3 windows; the pass runs over the other 1" in said[-2]
+    assert said[-1].endswith("(3 windows, 1 new)")
+
+    def must_not_compute(_w):
         raise AssertionError("the teacher ran although the cache holds its states for these windows")
 
-    again, read = cached_teacher(cfg, "t", windows.clone(), said.append, must_not_compute)
-    assert read and again.dtype == torch.float32 and again.shape == (2, 8, 4)
-    torch.testing.assert_close(again, states, rtol=1e-3, atol=1e-3)
-    assert said[-1].endswith("(2 of 3 windows; teacher pass skipped)")
+    kept, third = cached_teacher(cfg, "t", windows[[2, 0]], said.append, must_not_compute)
+    torch.testing.assert_close(third, full[[2, 0]], rtol=1e-3, atol=1e-3)
+    assert said[-1].endswith("(2 windows; teacher pass skipped)")
     other = windows.clone()
-    other[2, 7] += 1  # one token of one window differs
-    with pytest.raises(DraftTrainError, match="another run: the training windows"):
-        cached_teacher(cfg, "t", other, said.append, must_not_compute)
-    with pytest.raises(DraftTrainError, match="another run: --teacher-precision differ"):
+    other[0, 7] += 1  # one token of one window differs: that window is another one
+    asked.clear()
+    full[0] = torch.randn(8, 4)
+    windows[0] = other[0]
+    kept, fourth = cached_teacher(cfg, "t", other, said.append, teacher(3))
+    assert len(asked) == 1 and torch.equal(asked[0], other[:1])
+    assert torch.equal(kept, other)  # the new window first, as in the run, before the two read ones
+    torch.testing.assert_close(fourth, full, rtol=1e-3, atol=1e-3)
+    assert len(torch.load(cache, weights_only=True)["windows"]) == 4  # the file keeps both versions
+    before = torch.load(cache, weights_only=True)["states"]
+    with pytest.raises(DraftTrainError, match=r"another run \(--teacher-precision\)"):
         cached_teacher(HeadConfig(teacher_cache=str(cache), teacher_precision="bf16"), "t", windows, said.append,
                        must_not_compute)
-    with pytest.raises(DraftTrainError, match="another run: the target differ"):
+    with pytest.raises(DraftTrainError, match=r"another run \(the target\)"):
         cached_teacher(cfg, "another target", windows, said.append, must_not_compute)
-    torch.testing.assert_close(torch.load(cache, weights_only=True)["states"].float(), states, rtol=1e-3, atol=1e-3)
+    with pytest.raises(DraftTrainError, match="holds 8-token windows \\(this run: --seq-len 4\\)"):
+        cached_teacher(cfg, "t", windows[:, :4], said.append, must_not_compute)
+    assert torch.equal(torch.load(cache, weights_only=True)["states"], before)  # refused, not overwritten
     junk = tmp_path / "junk.pt"
-    torch.save({"key": {}}, junk)  # a dict with a key, but no states
+    torch.save({"key": {}, "states": before}, junk)  # as an older mobc wrote it: no windows
     with pytest.raises(DraftTrainError, match="not a teacher cache this command wrote"):
         cached_teacher(HeadConfig(teacher_cache=str(junk)), "t", windows, said.append, must_not_compute)
-    assert cached_teacher(HeadConfig(), "t", windows, said.append, lambda: states)[0] is states  # no cache: no file
+    kept, states = cached_teacher(HeadConfig(), "t", windows, said.append, teacher(2))  # no cache: no file
+    assert torch.equal(kept, windows[:2]) and len(states) == 2
 
 
 def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
