@@ -6,6 +6,8 @@ steps until the wall-clock budget is spent, with the module in train mode, and s
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +51,24 @@ def cosine_by_time(lr: float, seconds: float, warmup: float = 0.03, floor: float
     return lr_at
 
 
+def reuse_freed_memory(limit: int = 1 << 30) -> bool:
+    """Make glibc's malloc keep freed blocks of up to `limit` bytes for reuse instead of handing them back to the
+    OS. A training step allocates and frees tens of MB of activations; above glibc's mmap threshold (128 KB at
+    start, raised only by some frees) each one is a fresh mapping that faults in page by page. Measured on a
+    head's bf16 step: ~148k minor page faults and 0.59-0.60 s per step with the threshold low, ~2.5k and
+    0.40-0.42 s pinned at 1 GB, one process. Pinning is process-wide and also stops the threshold from
+    moving. False where there is no glibc (nothing changed)."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, 2 * limit))
+
+
 def timed_adamw_loop(
     module: torch.nn.Module,
     params: Sequence[torch.nn.Parameter],
@@ -71,6 +91,7 @@ def timed_adamw_loop(
     "step N: <label> <mean of the last `every` losses> (<elapsed> s)". `module` is in train mode
     during the loop and in eval mode after it.
     """
+    reuse_freed_memory()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     module.train()
     t0 = time.perf_counter()
