@@ -77,29 +77,35 @@ def test_cosine_by_time_warms_up_peaks_and_decays_to_the_floor_on_the_clock():
 
 
 def test_reused_freed_memory_stops_the_page_faults_of_each_large_allocation():
-    import ctypes
-    import ctypes.util
-    import resource
+    """In a fresh process: malloc serves a block from freed heap memory before it maps a new one, so what this
+    process's other tests freed would hide the faults."""
+    import subprocess
+    import sys
 
-    import pytest
+    probe = """
+import ctypes, ctypes.util, resource, sys
+import torch
+from toolchain.train.loop import reuse_freed_memory
+name = ctypes.util.find_library("c")
+if not name or not hasattr(ctypes.CDLL(name), "mallopt"):
+    print("skip"); sys.exit()
+libc = ctypes.CDLL(name)
+def faults_of_20_activations():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        torch.ones(8 << 20).sum()  # 32 MB written, then freed, as a training step's activations are
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+libc.mallopt(-3, 128 * 1024)  # glibc's starting mmap threshold, pinned: every block is a fresh mapping
+libc.mallopt(-1, 256 * 1024)
+fresh = faults_of_20_activations()
+pinned = reuse_freed_memory()
+print(fresh, pinned, faults_of_20_activations())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    if out == ["skip"]:
+        import pytest
 
-    from toolchain.train.loop import reuse_freed_memory
-
-    name = ctypes.util.find_library("c")
-    if not name or not hasattr(ctypes.CDLL(name), "mallopt"):
         pytest.skip("no glibc malloc here")
-    libc = ctypes.CDLL(name)
-
-    def faults_of_20_activations() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(20):
-            torch.ones(8 << 20).sum()  # 32 MB written, then freed, as a training step's activations are
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    libc.mallopt(-3, 128 * 1024)  # glibc's starting mmap threshold, pinned: every block is a fresh mapping
-    libc.mallopt(-1, 256 * 1024)
-    fresh = faults_of_20_activations()
+    fresh, pinned, reused = int(out[0]), out[1] == "True", int(out[2])
     assert fresh > 20 * 4000  # each 32 MB block faulted in again, ~8k pages of 4 KB each
-    assert reuse_freed_memory()
-    reused = faults_of_20_activations()
-    assert reused < fresh / 5  # the first block's pages, then the same memory again
+    assert pinned and reused < fresh / 5  # the first block's pages, then the same memory again
