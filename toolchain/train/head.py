@@ -346,14 +346,15 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
         log(f"teacher states read from {path} for {len(windows) - len(missing)} of {len(windows)} windows; "
             f"the pass runs over the other {len(missing)}")
     new = compute(windows[missing])
-    keep = [i for i, j in enumerate(found) if j is not None] + missing[: len(new)]
+    done = missing[: len(new)]  # the pass may have stopped early
+    keep = [i for i, j in enumerate(found) if j is not None] + done
     keep.sort()  # the run's own order: with the same data, the same rows at the same steps as without a cache
-    at = {i: n for n, i in enumerate(missing[: len(new)])}
+    at = {i: n for n, i in enumerate(done)}
     states = torch.empty(len(keep), windows.shape[1], new.shape[-1])
     for r, i in enumerate(keep):
         states[r] = new[at[i]] if found[i] is None else saved["states"][found[i]].float()
     with atomic_file(path) as tmp:  # a run stopped mid-write leaves no cache that looks complete
-        torch.save({"key": key, "windows": torch.cat([saved["windows"], ids[missing[: len(new)]]]),
+        torch.save({"key": key, "windows": torch.cat([saved["windows"], ids[done]]),
                     "states": torch.cat([saved["states"].reshape(-1, windows.shape[1], new.shape[-1]),
                                          new.half()])}, tmp)
     log(f"teacher states written to {path} ({len(saved['windows']) + len(new)} windows, {len(new)} new)")

@@ -7,7 +7,6 @@ steps until the wall-clock budget is spent, with the module in train mode, and s
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,12 +57,9 @@ def reuse_freed_memory(limit: int = 1 << 30) -> bool:
     head's bf16 step: ~148k minor page faults and 0.59-0.60 s per step with the threshold low, ~2.5k and
     0.40-0.42 s pinned at 1 GB, one process. Pinning is process-wide and also stops the threshold from
     moving. False where there is no glibc (nothing changed)."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+    try:  # the process's own symbols: glibc's when it is the C library, without a search for the file
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
     return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, 2 * limit))
