@@ -23,6 +23,9 @@ def train_draft(
     layers: str = typer.Option("6", "--layers", help="k (first k-1 layers + last) or indices like 0-4,29"),
     minutes: float | None = typer.Option(None, "--minutes", help="wall-clock budget of the distillation loop "
                                          "(default 4; --kind head: of the whole command, default 20)"),
+    steps: int | None = typer.Option(None, "--steps", help="head: instead of --minutes, exactly N training steps "
+                                     "with every generation and the teacher pass run to completion (the same "
+                                     "head on a faster or busier machine)"),
     seq_len: int = typer.Option(256, "--seq-len"),
     batch: int = typer.Option(4, "--batch"),
     lr: float = typer.Option(2e-4, "--lr"),
@@ -76,13 +79,15 @@ def train_draft(
     if out is None and not (kind == "head" and generate_only):
         raise MobcError("--out DIR: give the folder the draft is written to")
     if kind == "head":
-        _train_head(recipe, out, minutes, seed, app_share, self_chat, onpolicy_cache, unroll,
+        _train_head(recipe, out, minutes, steps, seed, app_share, self_chat, onpolicy_cache, unroll,
                     self_chat_openers=self_chat_openers, answer_batch=answer_batch, precision=precision,
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
+    if steps is not None:
+        raise MobcError("--steps: a fixed step count is for --kind head; --kind layers trains for --minutes")
     from toolchain.train.draft import DistillConfig
     from toolchain.train.draft import train_draft as run_train
 
@@ -105,20 +110,23 @@ def train_draft(
         console.print(f"wrote {recipe_out}; compile it with mobc compile {recipe_out}")
 
 
-def _train_head(recipe: Path, out: Path | None, minutes: float | None, seed: int, app_share: float | None,
+def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: int | None, seed: int, app_share: float | None,
                 self_chat: int | None, onpolicy_cache: Path | None, unroll: int | None, *, self_chat_openers: bool,
                 answer_batch: int | None, precision: str, generate_only: bool, onpolicy_round: int,
                 onpolicy_extra: list[Path], unroll_mode: str, teacher_precision: str,
                 teacher_cache: Path | None) -> None:
     from toolchain.train.head import HEAD_FILE, HELD_OUT_SETS, HeadConfig, generate_onpolicy, train_head
 
-    given = {"minutes": minutes, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
+    given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch}
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
                      teacher_cache=str(teacher_cache) if teacher_cache else None,
                      **{k: v for k, v in given.items() if v is not None})
+    if steps is not None and (minutes is not None or generate_only or steps < 1):
+        raise MobcError(f"--steps {steps}: give N >= 1 training steps, without --minutes (the steps replace the time "
+                        "budget) and without --generate-only (it trains nothing)")
     if onpolicy_round < 0 or (onpolicy_round and not generate_only):
         raise MobcError(f"--onpolicy-round {onpolicy_round}: give K >= 1 with --generate-only (it writes more answers "
                         "for a training's --onpolicy-extra; round 0 is a whole run's data)")

@@ -34,7 +34,7 @@ from toolchain.bench.prompts import ChatPrompt, encode
 from toolchain.train import corpus, onpolicy
 from toolchain.train.draft import DraftTrainError, target_continuations, teacher_states, token_windows
 from toolchain.train.head_model import DraftHead, chain_mask, save_head
-from toolchain.train.loop import cosine_by_time, timed_adamw_loop
+from toolchain.train.loop import cosine_by_steps, cosine_by_time, timed_adamw_loop
 
 HEAD_FILE = "head.safetensors"
 REPORT_FILE = "head_report.json"
@@ -47,6 +47,8 @@ HELD_OUT_SETS = {"held_out": "stdlib continuations", "held_out_app": "answers to
 @dataclass
 class HeadConfig:
     minutes: float = 20.0  # wall-clock budget of the whole command
+    steps: int | None = None  # instead of the budget: exactly this many training steps, every generation and the
+    # teacher pass run to completion (the same work on any machine, however fast or loaded)
     draft_vocab: int = 8192
     seq_len: int = 256
     batch: int = 4
@@ -469,7 +471,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
         raise DraftTrainError(f"--onpolicy-round {cfg.onpolicy_round}: a later round only writes more answers (with "
                               "--generate-only); train with round 0's --onpolicy-cache and that file as --onpolicy-extra")
     t0 = time.perf_counter()
-    budget = cfg.minutes * 60
+    budget = cfg.minutes * 60 if cfg.steps is None else float("inf")
     target, tok, name, source, train, held = _target_and_text(recipe_path, cfg)
     w_train = token_windows(train, cfg.seq_len)
     target_id = f"{name} ({source})"  # what every cache's key names the target by
@@ -509,13 +511,16 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
         rows = torch.randint(len(windows), (cfg.batch,), generator=gen_rng)
         return training_loss(head, windows[rows], states[rows], cfg)
 
-    eval_seconds = min(60.0, 0.1 * budget)
-    left = budget - (time.perf_counter() - t0) - eval_seconds
-    if left < 0.1 * budget:
-        raise DraftTrainError(f"--minutes {cfg.minutes}: the target's continuations and teacher pass used "
-                              f"{time.perf_counter() - t0:.0f} s; give the training at least a few minutes more")
+    if cfg.steps is not None:
+        left, lr_at = float("inf"), cosine_by_steps(cfg.lr, cfg.steps, floor=cfg.lr_floor)
+    else:
+        left = budget - (time.perf_counter() - t0) - min(60.0, 0.1 * budget)  # a minute kept for the evaluation
+        if left < 0.1 * budget:
+            raise DraftTrainError(f"--minutes {cfg.minutes}: the target's continuations and teacher pass used "
+                                  f"{time.perf_counter() - t0:.0f} s; give the training at least a few minutes more")
+        lr_at = cosine_by_time(cfg.lr, left, floor=cfg.lr_floor)
     res = timed_adamw_loop(head, head.trainable(), step_loss, lr=cfg.lr, seconds=left, log=log, label="loss",
-                           every=20, lr_at=cosine_by_time(cfg.lr, left, floor=cfg.lr_floor))
+                           every=20, lr_at=lr_at, max_steps=cfg.steps)
     head.eval()
     accepts = {"held_out": chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)}
     for key, st in held_states.items():  # a set is absent when none of its prompts fits the window

@@ -30,6 +30,14 @@ class LoopResult:
         return float(np.mean(self.losses[-n:])) if self.losses else None
 
 
+def _warmup_cosine(lr: float, frac: float, warmup: float, floor: float) -> float:
+    """lr at `frac` of the schedule: linear warmup over the first `warmup` share, then a cosine down to floor * lr."""
+    if frac < warmup:
+        return lr * max(frac / warmup, 1.0 / 64)
+    cos = 0.5 * (1.0 + np.cos(np.pi * (frac - warmup) / (1.0 - warmup)))
+    return lr * (floor + (1.0 - floor) * cos)
+
+
 def cosine_by_time(lr: float, seconds: float, warmup: float = 0.03, floor: float = 0.1,
                    clock: Callable[[], float] = time.perf_counter) -> Callable[[int], float]:
     """An `lr_at` for a wall-clock budget: linear warmup over the first `warmup` share of `seconds`,
@@ -41,13 +49,14 @@ def cosine_by_time(lr: float, seconds: float, warmup: float = 0.03, floor: float
         now = clock()
         if not start:
             start.append(now)
-        frac = min(1.0, (now - start[0]) / seconds) if seconds > 0 else 1.0
-        if frac < warmup:
-            return lr * max(frac / warmup, 1.0 / 64)
-        cos = 0.5 * (1.0 + np.cos(np.pi * (frac - warmup) / (1.0 - warmup)))
-        return lr * (floor + (1.0 - floor) * cos)
+        return _warmup_cosine(lr, min(1.0, (now - start[0]) / seconds) if seconds > 0 else 1.0, warmup, floor)
 
     return lr_at
+
+
+def cosine_by_steps(lr: float, steps: int, warmup: float = 0.03, floor: float = 0.1) -> Callable[[int], float]:
+    """cosine_by_time's schedule over a fixed number of steps: the same lr at the same step on any machine."""
+    return lambda step: _warmup_cosine(lr, min(1.0, step / steps) if steps > 0 else 1.0, warmup, floor)
 
 
 def reuse_freed_memory(limit: int = 1 << 30) -> bool:

@@ -208,6 +208,23 @@ def test_generate_only_writes_the_cache_a_training_run_then_reads(tmp_path):
     assert any("teacher pass skipped" in m for m in said) and again["train_windows"] == report["train_windows"]
 
 
+
+def test_a_run_of_fixed_steps_makes_the_same_head_twice(tmp_path):
+    """--steps: the step count and the lr schedule follow the steps, not the clock, so a slower or busier machine
+    trains the same head (a run by the clock would differ in both)."""
+    from safetensors.torch import load_file
+
+    hf = save_tiny(tmp_path / "hf", "llama")
+    recipe = write_recipe(tmp_path / "t.yaml", hf)
+    cfg = HeadConfig(steps=7, corpus_tokens=4096, generated_windows=2, held_out_windows=1, seq_len=64, prompt_len=16,
+                     answer_batch=8, draft_vocab=64, onpolicy_cache=str(tmp_path / "gen.pt"))
+    first = train_head(recipe, tmp_path / "a", cfg, log=lambda _m: None)
+    assert first["steps"] == 7 and first["config"]["steps"] == 7
+    again = train_head(recipe, tmp_path / "b", cfg, log=lambda _m: None)
+    assert again["steps"] == 7 and again["loss_last"] == first["loss_last"]
+    a, b = load_file(tmp_path / "a" / HEAD_FILE), load_file(tmp_path / "b" / HEAD_FILE)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
 def test_bf16_training_runs_the_loss_in_bf16_close_to_fp32(tmp_path):
     from transformers import AutoModelForCausalLM
 
