@@ -1,4 +1,4 @@
-"""`mobc bench decode|lever|diffusion|ctg|ds2d|compile|startup`: each policy family against its baseline, as tables."""
+"""`mobc bench decode|lever|diffusion|ctg|ds2d|compile|startup|train-step`: each policy family against its baseline, as tables."""
 
 from __future__ import annotations
 
@@ -400,4 +400,39 @@ def bench_startup(
         table.add_row(mode, f"{r['first_token_median_s']:.2f} (max {r['first_token_max_s']:.2f})", f"{r['median_s']:.2f}", f"{r['min_s']:.2f}-{r['max_s']:.2f}", f"{r['ratio']:.3f}x",
                       f"{r['added_s'] * 1e3:+.0f} ms", f"{r['peak_rss_bytes'] / 1e9:.2f} GB")
     console.print(table)
+    write_json(json_out, res)
+
+
+@app.command("train-step")
+def bench_train_step(
+    recipe: Path = typer.Argument(Path("recipes/smollm2-135m.yaml"), help="the target's recipe"),
+    windows: Path = typer.Option(Path("assets/heads/smollm2-135m/onpolicy-1600.pt"), "--windows",
+                                 help="on-policy cache whose answer windows the steps train on"),
+    n_windows: int = typer.Option(32, "--n-windows", min=4, help="answer windows (their teacher states are computed once)"),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="interleaved rounds (one block per variant each)"),
+    steps: int = typer.Option(20, "--steps", min=1, help="training steps per block"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """The draft head's training step (`mobc train draft --kind head`): fp32 vs bf16 matmuls and glibc's default
+    vs the training loop's pinned malloc thresholds, in alternating blocks in one process."""
+    from toolchain.bench.train_step import measure
+    from toolchain.train.head import HeadConfig, answer_windows, load_target
+
+    if not recipe.is_file():
+        raise MobcError(f"{recipe}: no such recipe; give the target's recipe, e.g. recipes/smollm2-135m.yaml")
+    w = answer_windows(windows, "--windows")[:n_windows]
+    target, tok, name, _ = load_target(recipe)
+    cfg = HeadConfig()
+    log(f"{name}: {len(w)} answer windows of {w.shape[1]} tokens from {windows}, batch {cfg.batch}, "
+        f"unroll {cfg.unroll}; {rounds} rounds of {steps} steps per variant")
+    res = measure(target, tok, w, rounds, steps, cfg, progress=log)
+    if not res["glibc"]:
+        console.print("[yellow]no glibc mallopt here: the malloc rows ran with this C library's own setting[/]")
+    print_rows(f"head training step ({name}, batch {cfg.batch} x {w.shape[1]} tokens, unroll {cfg.unroll}), "
+               f"medians of {rounds} interleaved blocks of {steps} steps",
+               [{**r, "mode": f"{r['precision']} malloc {r['malloc']}"} for r in res["rows"]],
+               [("mode", "mode", ""), ("s per step", "median_s", ".3f"), ("min", "min_s", ".3f"),
+                ("max", "max_s", ".3f"), ("page faults per step", "faults_per_step", ",.0f"),
+                ("steps/min vs fp32 default", "steps_per_minute_vs_base", ".2fx")])
+    console.print(f"peak RSS {res['peak_rss_bytes'] / 1e9:.2f} GB")
     write_json(json_out, res)

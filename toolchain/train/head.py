@@ -432,10 +432,18 @@ def _token_ids(value: Any, dtype: torch.dtype) -> Any:
 def _target_and_text(recipe_path: Path, cfg: HeadConfig) -> tuple[Any, Any, str, str, np.ndarray, np.ndarray]:
     """The frozen float target, its tokenizer, the recipe's name, where the target came from, and the
     stdlib train / held-out token streams."""
+    target, tok, name, source = load_target(recipe_path, cfg.seed)
+    train, held = corpus.train_and_held_out(tok, cfg.corpus_tokens, cfg.seq_len * 8, cfg.seed)
+    return target, tok, name, source, train, held
+
+
+def load_target(recipe_path: Path, seed: int = 0) -> tuple[Any, Any, str, str]:
+    """The frozen float target of a recipe (sdpa attention), its tokenizer, the recipe's name and where the
+    target came from."""
     from toolchain.compile.recipe import load_recipe
     from toolchain.compile.source import load
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(seed)
     recipe = load_recipe(recipe_path)
     loaded = load(recipe.source, base=recipe_path.parent)
     target = loaded.model.float().eval()
@@ -444,9 +452,25 @@ def _target_and_text(recipe_path: Path, cfg: HeadConfig) -> tuple[Any, Any, str,
     target.set_attn_implementation("sdpa")
     for p in target.parameters():
         p.requires_grad = False
-    tok = loaded.tokenizer
-    train, held = corpus.train_and_held_out(tok, cfg.corpus_tokens, cfg.seq_len * 8, cfg.seed)
-    return target, tok, recipe.name, loaded.description, train, held
+    return target, loaded.tokenizer, recipe.name, loaded.description
+
+
+def new_head(target: Any, tok: Any, windows: torch.Tensor, draft_vocab: int) -> DraftHead:
+    """A fresh head over the `draft_vocab` most frequent tokens of `windows` (and eos), sdpa attention."""
+    eos = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
+    head = DraftHead(target, draft_vocabulary([windows.numpy()], draft_vocab, target.config.vocab_size, eos),
+                     init_layer=None)  # measured: a fresh layer generalises better than the target's last one
+    # (held-out top-1 0.30 vs 0.23 after a minute)
+    head.config._attn_implementation = "sdpa"
+    return head
+
+
+def answer_windows(path: Path, option: str) -> torch.Tensor:
+    """The training answer windows of an on-policy cache file this command wrote (int64 token ids)."""
+    if not path.is_file():
+        raise DraftTrainError(f"{option} {path}: no such file; give an on-policy cache `mobc train draft --kind "
+                              "head` wrote (assets/heads/ ships some)")
+    return _read_cache(path, option)["app"].long()
 
 
 def generate_onpolicy(recipe_path: Path, cfg: HeadConfig, log: Callable[[str], None] = print) -> dict[str, int]:
@@ -494,17 +518,13 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
     held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]
                    for k, v in held_sets.items() if len(v)}
-    eos = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
-    vocab_ids = draft_vocabulary([windows.numpy()], cfg.draft_vocab,
-                                 target.config.vocab_size, eos)
+    head = new_head(target, tok, windows, cfg.draft_vocab)
+    vocab_ids = head.vocab_ids
     e_all = target.get_output_embeddings().weight.detach()
     t_held = F.linear(s_held, e_all).argmax(-1)  # the target's greedy next token after each position
     coverage = float(torch.isin(t_held[:, cfg.prompt_len:], vocab_ids).float().mean())
     log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.3f} of the target's held-out greedy tokens")
 
-    head = DraftHead(target, vocab_ids, init_layer=None)  # measured: a fresh layer generalises better than
-    # the target's last one (held-out top-1 0.30 vs 0.23 after a minute)
-    head.config._attn_implementation = "sdpa"
     gen_rng = torch.Generator().manual_seed(cfg.seed)
 
     def step_loss() -> torch.Tensor:

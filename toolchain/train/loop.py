@@ -59,19 +59,38 @@ def cosine_by_steps(lr: float, steps: int, warmup: float = 0.03, floor: float = 
     return lambda step: _warmup_cosine(lr, min(1.0, step / steps) if steps > 0 else 1.0, warmup, floor)
 
 
-def reuse_freed_memory(limit: int = 1 << 30) -> bool:
-    """Make glibc's malloc keep freed blocks of up to `limit` bytes for reuse instead of handing them back to the
-    OS. A training step allocates and frees tens of MB of activations; above glibc's mmap threshold (128 KB at
-    start, raised only by some frees) each one is a fresh mapping that faults in page by page. Measured on a
-    head's bf16 step: ~148k minor page faults and 0.59-0.60 s per step with the threshold low, ~2.5k and
-    0.40-0.42 s pinned at 1 GB, one process. Pinning is process-wide and also stops the threshold from
-    moving. False where there is no glibc (nothing changed)."""
+GLIBC_DEFAULT_THRESHOLD = 128 * 1024  # glibc's mmap and trim thresholds at a process's start
+
+
+def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
+    """Pin glibc's mmap threshold (blocks above it are fresh mappings, unmapped on free) and trim threshold (free
+    heap above it goes back to the OS). Pinning either stops glibc from moving the mmap threshold itself.
+    False where there is no glibc (nothing changed)."""
     try:  # the process's own symbols: glibc's when it is the C library, without a search for the file
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, 2 * limit))
+    return bool(mallopt(m_mmap_threshold, mmap_bytes)) and bool(mallopt(m_trim_threshold, trim_bytes))
+
+
+def reuse_freed_memory(limit: int = 1 << 30) -> bool:
+    """Make glibc's malloc keep freed blocks of up to `limit` bytes for reuse instead of handing them back to the
+    OS. A training step allocates and frees tens of MB of activations; above glibc's mmap threshold (128 KB at
+    start, raised only by some frees) each one is a fresh mapping that faults in page by page (`mobc bench
+    train-step` measures both settings). Pinning is process-wide and also stops the threshold from moving."""
+    return set_malloc_thresholds(limit, 2 * limit)
+
+
+def adamw_step(opt: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
+               step_loss: Callable[[], torch.Tensor], clip: float) -> float:
+    """One step: loss = step_loss(), backward, clip the gradients' total norm to `clip`, optimizer step."""
+    loss = step_loss()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    return loss.item()
 
 
 def timed_adamw_loop(
@@ -105,13 +124,8 @@ def timed_adamw_loop(
         if lr_at is not None:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-        loss = step_loss()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
+        losses.append(adamw_step(opt, params, step_loss, clip))
         step += 1
-        losses.append(loss.item())
         if step % every == 0:
             log(f"step {step}: {label} {np.mean(losses[-every:]):.3f} ({time.perf_counter() - t0:.0f} s)")
     module.eval()
