@@ -552,7 +552,8 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     out_dir.mkdir(parents=True, exist_ok=True)
     save_head(head, out_dir / HEAD_FILE)
     # the cache by file name: its full path is this machine's (the cache's key checked what it holds)
-    config = {**asdict(cfg), "onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
+    config = {**asdict(cfg), "minutes": cfg.minutes if cfg.steps is None else None,  # --steps replaces the budget
+              "onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
               "teacher_cache": Path(cfg.teacher_cache).name if cfg.teacher_cache else None,
               "onpolicy_extra": [Path(p).name for p in cfg.onpolicy_extra]}
     report = {"target": name, "target_source": source, "config": config,
