@@ -152,6 +152,18 @@ def test_the_teacher_cache_reads_the_windows_it_holds_and_computes_only_the_othe
     assert torch.equal(kept, windows[:2]) and len(states) == 2
 
 
+
+def test_a_new_teacher_cache_keeps_the_passs_states_without_a_second_copy(tmp_path):
+    """A run with nothing to read hands back the pass's own tensor: for 7274 windows a copy was 4.3 GB more
+    (measured on 1.18 GB of states: 3.46 GB above the start before, 1.74 GB after)."""
+    windows = torch.arange(24).reshape(6, 4)
+    made = torch.randn(6, 4, 3)
+    cfg = HeadConfig(teacher_cache=str(tmp_path / "t.pt"))
+    kept, states = cached_teacher(cfg, "tiny", windows, lambda _m: None, lambda w: made[: len(w)])
+    assert states.data_ptr() == made.data_ptr() and torch.equal(kept, windows)
+    kept, states = cached_teacher(cfg, "tiny", windows, lambda _m: None, lambda w: 1 / 0)  # all read back
+    assert torch.allclose(states, made, atol=1e-3) and torch.equal(kept, windows)
+
 def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
     junk = tmp_path / "notes.pt"
     junk.write_text("not a cache")
