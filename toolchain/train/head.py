@@ -352,18 +352,18 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
     keep = [i for i, j in enumerate(found) if j is not None] + done
     keep.sort()  # the run's own order: with the same data, the same rows at the same steps as without a cache
     width = new.shape[-1]
-    held, new_half = saved["states"].reshape(-1, windows.shape[1], width), new.half()
+    saved_states, new_half = saved["states"].reshape(-1, windows.shape[1], width), new.half()
     if len(keep) == len(done):  # nothing read: the pass's rows are the run's, in order (no second fp32 copy)
         states = new
     else:
         at = {i: n for n, i in enumerate(done)}
         states = torch.empty(len(keep), windows.shape[1], width)
         for r, i in enumerate(keep):
-            states[r] = new[at[i]] if found[i] is None else held[found[i]].float()
+            states[r] = new[at[i]] if found[i] is None else saved_states[found[i]].float()
     del new
     with atomic_file(path) as tmp:  # a run stopped mid-write leaves no cache that looks complete
         torch.save({"key": key, "windows": torch.cat([saved["windows"], ids[done]]),
-                    "states": torch.cat([held, new_half]) if len(held) else new_half}, tmp)
+                    "states": torch.cat([saved_states, new_half]) if len(saved_states) else new_half}, tmp)
     log(f"teacher states written to {path} ({len(saved['windows']) + len(done)} windows, {len(done)} new)")
     return windows[keep], states
 

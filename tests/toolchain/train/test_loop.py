@@ -76,7 +76,6 @@ def test_cosine_by_time_warms_up_peaks_and_decays_to_the_floor_on_the_clock():
     assert abs(seen[100] - 0.2) < 1e-9 and abs(seen[150] - 0.2) < 1e-9
 
 
-
 def test_cosine_by_steps_is_the_time_schedule_counted_in_steps():
     lr_at = cosine_by_steps(1.0, steps=200, warmup=0.1, floor=0.2)
     now = [0.0]
@@ -86,6 +85,7 @@ def test_cosine_by_steps_is_the_time_schedule_counted_in_steps():
         assert abs(lr_at(step) - by_time(0)) < 1e-12, step
     assert lr_at(0) == 1.0 / 64 and abs(lr_at(20) - 1.0) < 1e-9 and abs(lr_at(110) - 0.6) < 1e-9
     assert abs(lr_at(200) - 0.2) < 1e-9 and abs(lr_at(300) - 0.2) < 1e-9
+
 
 def test_reused_freed_memory_stops_the_page_faults_of_each_large_allocation():
     """In a fresh process: malloc serves a block from freed heap memory before it maps a new one, so what this
