@@ -49,3 +49,23 @@ def test_run_imports_no_other_command_module(tmp_path):
     assert "toolchain.cli.run" in loaded
     others = {f"toolchain.cli.{m}" for m in {*GROUPS.values(), "artifact"}}
     assert not others & set(loaded), loaded
+
+
+def test_an_interrupt_inside_a_half_built_object_prints_one_line():
+    # SIGTERM landing inside a constructor (CI caught one in zipfile.ZipFile.__init__) leaves an object
+    # whose __del__ fails when the unwound frames are freed; Python would print that as a traceback
+    code = ("import os, signal, sys\n"
+            "import toolchain.cli.main as m\n"
+            "class HalfBuilt:\n"
+            "    def __init__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        self.ready = True\n"
+            "    def __del__(self):\n"
+            "        self.ready\n"
+            "def command():\n"
+            "    half = HalfBuilt()\n"
+            "m.build_app = lambda names: command\n"
+            "m.main()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 128 + 15
+    assert proc.stderr.strip() == "interrupted by SIGTERM: stopped, and removed what it had half written"
