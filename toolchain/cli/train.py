@@ -71,6 +71,9 @@ def train_draft(
     teacher_cache: Path | None = typer.Option(None, "--teacher-cache", help="head: local file keeping the teacher "
                                               "pass's states (fp16, ~0.3 MB per window); a rerun reads those of the "
                                               "windows it holds and runs the pass over the others only"),
+    until_end_of_turn: bool = typer.Option(False, "--until-end-of-turn", help="head: train each answer only up to "
+                                           "where the target itself would end it (its greedy next token is "
+                                           "end-of-turn); the answers are generated past that point"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""
@@ -82,7 +85,8 @@ def train_draft(
         _train_head(recipe, out, minutes, steps, seed, app_share, self_chat, onpolicy_cache, unroll,
                     self_chat_openers=self_chat_openers, answer_batch=answer_batch, precision=precision,
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
-                    unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache)
+                    unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
+                    until_end_of_turn=until_end_of_turn)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -114,7 +118,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 self_chat: int | None, onpolicy_cache: Path | None, unroll: int | None, *, self_chat_openers: bool,
                 answer_batch: int | None, precision: str, generate_only: bool, onpolicy_round: int,
                 onpolicy_extra: list[Path], unroll_mode: str, teacher_precision: str,
-                teacher_cache: Path | None) -> None:
+                teacher_cache: Path | None, until_end_of_turn: bool = False) -> None:
     from toolchain.train.head import HEAD_FILE, HELD_OUT_SETS, HeadConfig, generate_onpolicy, train_head
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
@@ -122,7 +126,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
-                     teacher_cache=str(teacher_cache) if teacher_cache else None,
+                     teacher_cache=str(teacher_cache) if teacher_cache else None, until_end_of_turn=until_end_of_turn,
                      **{k: v for k, v in given.items() if v is not None})
     if steps is not None and (minutes is not None or generate_only or steps < 1):
         raise MobcError(f"--steps {steps}: give N >= 1 training steps, without --minutes (the steps replace the time "
@@ -142,6 +146,8 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
             raise MobcError(f"{option} {value!r}: choose fp32 or bf16")
     if teacher_cache and generate_only:
         raise MobcError("--teacher-cache: the teacher pass belongs to a training run, not to --generate-only")
+    if until_end_of_turn and generate_only:
+        raise MobcError("--until-end-of-turn: it changes what a training run learns from; --generate-only trains nothing")
     if not 1 <= cfg.answer_batch <= 512:
         raise MobcError(f"--answer-batch {cfg.answer_batch}: give 1 to 512 rows")
     if not 0.0 < cfg.app_share < 0.6:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -80,6 +80,8 @@ class HeadConfig:
     precision: str = "fp32"  # training steps' matmuls: fp32, or bf16 autocast (master weights and the teacher stay fp32)
     teacher_precision: str = "fp32"  # the teacher pass over the training windows (held-out sets stay fp32)
     teacher_cache: str | None = None  # local file keeping the teacher pass's states for reruns (cached_teacher)
+    until_end_of_turn: bool = False  # train each window only up to where the target would end its answer (its
+    # greedy next token is end-of-turn): the answers were generated past it (min_new_tokens), text no run decodes
 
 
 def draft_vocabulary(streams: list[np.ndarray], size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -92,26 +94,63 @@ def draft_vocabulary(streams: list[np.ndarray], size: int, vocab: int, always: l
     return torch.from_numpy(np.sort(order))
 
 
+class EndOfTurn(NamedTuple):
+    """Where a window stops counting: `row` is end-of-turn's row in the head's draft vocabulary, `first` the
+    first position whose next token may end the answer (the prompt's last)."""
+
+    row: int
+    first: int
+
+
+def rows_until_end(t_logp: torch.Tensor, end: EndOfTurn | None) -> torch.Tensor | None:
+    """[B,T] bool: the rows up to and including the first one (from `end.first`) where the teacher's greedy
+    token among the draft vocabulary is end-of-turn; the target would have stopped there. None: every row."""
+    if end is None:
+        return None
+    ends = t_logp.argmax(-1) == end.row
+    ends[:, : end.first] = False
+    ends[:, -1] |= ~ends.any(1)  # no end: the whole window counts
+    return torch.arange(ends.shape[1])[None] <= ends.long().argmax(1, keepdim=True)
+
+
+def _row_mean(per_row: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the [B,T] rows, or over the kept ones."""
+    if keep is None:
+        return per_row.mean()
+    return (per_row * keep).sum() / keep.sum().clamp(min=1)
+
+
+def _kl_and_feature(logits: torch.Tensor, n_g: torch.Tensor, t_logp: torch.Tensor, states: torch.Tensor,
+                    keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL to the teacher and the smooth-L1 feature loss, each a mean over the kept rows (all rows: the
+    batchmean KL over B*T rows and the elementwise mean)."""
+    if keep is None:
+        return (F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), t_logp.flatten(0, 1), log_target=True,
+                         reduction="batchmean"), F.smooth_l1_loss(n_g, states))
+    kl = F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True, reduction="none").sum(-1)
+    return _row_mean(kl, keep), _row_mean(F.smooth_l1_loss(n_g, states, reduction="none").mean(-1), keep)
+
+
 def _shift_features(states: torch.Tensor) -> torch.Tensor:
     """Row t's input feature: n_L(t-1); row 0 gets zeros."""
     return torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)
 
 
 def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, unroll: int,
-                feature_weight: float, mode: str = "shift") -> tuple[torch.Tensor, dict[str, float]]:
+                feature_weight: float, mode: str = "shift",
+                end: EndOfTurn | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     if mode == "chain":
-        return chain_losses(head, windows, states, unroll, feature_weight)
+        return chain_losses(head, windows, states, unroll, feature_weight, end)
     positions = torch.arange(windows.shape[1])[None].expand(len(windows), -1)
     with torch.no_grad():
         t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
+        keep = rows_until_end(t_logp, end)
     feats = _shift_features(states)
     total, parts = 0.0, {}
     for step in range(unroll):
         g = head.forward_train(feats, windows, positions, normalized=True)
         n_g = head.norm(g)
-        kl = F.kl_div(F.log_softmax(F.linear(n_g, head.lm_rows), -1).flatten(0, 1), t_logp.flatten(0, 1),
-                      log_target=True, reduction="batchmean")
-        feat = F.smooth_l1_loss(n_g, states)
+        kl, feat = _kl_and_feature(F.linear(n_g, head.lm_rows), n_g, t_logp, states, keep)
         total = total + (kl + feature_weight * feat) / unroll
         parts[f"kl{step}"], parts[f"feat{step}"] = kl.item(), feat.item()
         feats = _shift_features(n_g)  # the next pass continues from the head's own features
@@ -128,7 +167,7 @@ def chain_block(head: DraftHead, feats: list[torch.Tensor], toks: list[torch.Ten
 
 
 def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, unroll: int,
-                 feature_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+                 feature_weight: float, end: EndOfTurn | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The unroll as the chain policy drafts (EAGLE-3's training-time test): pass a runs the blocks of
     chain_mask, in which row s of block a continues the chain from position s on the head's own features
     of its block a-1 row and the window's true token at s+a, seeing only the true rows up to s and its
@@ -137,15 +176,15 @@ def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, u
     t = windows.shape[1]
     with torch.no_grad():
         t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
+        keep = rows_until_end(t_logp, end)
     mask = chain_mask(t, unroll)
     feats, toks = [_shift_features(states)], [windows]
     total, parts = 0.0, {}
     for a in range(unroll):
         n_g = head.norm(chain_block(head, feats, toks, mask))
         rows = t - a  # row s of block a is trained on position s + a: the last a rows have no target
-        kl = F.kl_div(F.log_softmax(F.linear(n_g[:, :rows], head.lm_rows), -1).flatten(0, 1),
-                      t_logp[:, a:].flatten(0, 1), log_target=True, reduction="batchmean")
-        feat = F.smooth_l1_loss(n_g[:, :rows], states[:, a:])
+        kl, feat = _kl_and_feature(F.linear(n_g[:, :rows], head.lm_rows), n_g[:, :rows], t_logp[:, a:],
+                                   states[:, a:], None if keep is None else keep[:, a:])
         total = total + (kl + feature_weight * feat) / unroll
         parts[f"kl{a}"], parts[f"feat{a}"] = kl.item(), feat.item()
         feats.append(n_g)
@@ -153,11 +192,13 @@ def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, u
     return total, parts
 
 
-def training_loss(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, cfg: HeadConfig) -> torch.Tensor:
+def training_loss(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, cfg: HeadConfig,
+                  end: EndOfTurn | None = None) -> torch.Tensor:
     """One step's loss at the training's precision: bf16 autocast runs the matmuls in bf16 (~1.6x the steps
-    per minute on a CPU with AVX512-BF16) while the weights, AdamW's state and the teacher stay fp32."""
+    per minute on a CPU with AVX512-BF16) while the weights, AdamW's state and the teacher stay fp32.
+    `end`: count each window's rows only up to the target's end-of-turn (cfg.until_end_of_turn)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-        return head_losses(head, windows, states, cfg.unroll, cfg.feature_weight, cfg.unroll_mode)[0]
+        return head_losses(head, windows, states, cfg.unroll, cfg.feature_weight, cfg.unroll_mode, end)[0]
 
 
 @torch.no_grad()
@@ -470,6 +511,14 @@ def new_head(target: Any, tok: Any, windows: torch.Tensor, draft_vocab: int) -> 
     return head
 
 
+def end_of_turn(head: DraftHead, tok: Any, cfg: HeadConfig) -> EndOfTurn:
+    """The tokenizer's end-of-turn (its eos) as a draft-vocabulary row; new_head always keeps it."""
+    eos = getattr(tok, "eos_token_id", None)
+    if eos is None or not bool((head.vocab_ids == eos).any()):
+        raise DraftTrainError("--until-end-of-turn: the target's tokenizer names no end-of-turn (eos) token")
+    return EndOfTurn(int((head.vocab_ids == eos).nonzero()[0, 0]), cfg.prompt_len - 1)
+
+
 def answer_windows(path: Path, option: str) -> torch.Tensor:
     """The training answer windows of an on-policy cache file this command wrote (int64 token ids)."""
     if not path.is_file():
@@ -531,10 +580,11 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.3f} of the target's held-out greedy tokens")
 
     gen_rng = torch.Generator().manual_seed(cfg.seed)
+    end = end_of_turn(head, tok, cfg) if cfg.until_end_of_turn else None
 
     def step_loss() -> torch.Tensor:
         rows = torch.randint(len(windows), (cfg.batch,), generator=gen_rng)
-        return training_loss(head, windows[rows], states[rows], cfg)
+        return training_loss(head, windows[rows], states[rows], cfg, end)
 
     if cfg.steps is not None:
         left, lr_at = float("inf"), cosine_by_steps(cfg.lr, cfg.steps, floor=cfg.lr_floor)

@@ -147,6 +147,8 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--onpolicy-extra", tmp_path / "r1.pt"), "r1.pt: no such file"),
                         (("--teacher-precision", "fp16"), "--teacher-precision 'fp16': choose fp32 or bf16"),
                         (("--generate-only", "--teacher-cache", tmp_path / "t.pt"), "--teacher-cache: the teacher pass"),
+                        (("--generate-only", "--onpolicy-cache", tmp_path / "g.pt", "--until-end-of-turn"),
+                         "--until-end-of-turn: it changes what a training run learns"),
                         (("--generate-only", "--onpolicy-extra", RECIPES / "smollm2-135m.yaml"),
                          "read by a training run"),
                         (("--steps", "100", "--minutes", "5"), "--steps 100: give N >= 1 training steps, without --minutes"),

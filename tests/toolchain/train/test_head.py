@@ -14,18 +14,21 @@ from toolchain.train.draft import DraftTrainError
 from toolchain.train.head import (
     HEAD_FILE,
     REPORT_FILE,
+    EndOfTurn,
     HeadConfig,
     cached_onpolicy,
     cached_teacher,
     chain_acceptance,
     draft_chains,
     draft_vocabulary,
+    end_of_turn,
     extra_onpolicy,
     generate_onpolicy,
     head_losses,
     held_out_sample,
     onpolicy_data,
     round0_windows,
+    rows_until_end,
     train_head,
     training_loss,
 )
@@ -457,3 +460,52 @@ def _same_setting(given: str, recorded: object) -> bool:
         return float(given) == float(recorded)
     except (TypeError, ValueError):
         return given == str(recorded)
+
+
+def test_rows_until_end_keeps_each_window_up_to_its_first_end_of_turn_after_the_prompt():
+    t_logp = torch.zeros(3, 8, 5)
+    t_logp[0, 1, 2] = t_logp[0, 5, 2] = t_logp[0, 6, 2] = 1.0  # ends at 1 (in the prompt: ignored), 5 and 6
+    t_logp[1, :, 3] = 1.0  # never ends
+    t_logp[2, 3, 2] = 1.0  # ends on the prompt's last row: the answer's first token is end-of-turn
+    keep = rows_until_end(t_logp, EndOfTurn(row=2, first=3))
+    assert keep.tolist() == [[True] * 6 + [False] * 2, [True] * 8, [True] * 4 + [False] * 4]
+    assert rows_until_end(t_logp, None) is None
+
+
+@pytest.mark.parametrize("mode", ["shift", "chain"])
+def test_until_end_of_turn_the_loss_ignores_what_follows_the_targets_end(tmp_path, mode):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "hf", "llama")).float().eval()
+    torch.manual_seed(0)
+    head = DraftHead(target, torch.arange(0, 256, 2), init_layer=-1)
+    head.config._attn_implementation = "sdpa"
+    windows = torch.randint(0, 256, (2, 12))
+    states = torch.randn(2, 12, target.config.hidden_size)
+    end = EndOfTurn(row=5, first=3)
+    states[0, 6] = 40 * head.lm_rows[end.row] / head.lm_rows[end.row].norm()  # the target ends window 0 at 6
+    keep = rows_until_end(torch.nn.functional.linear(states, head.lm_rows), end)
+    assert keep[0].tolist() == [True] * 7 + [False] * 5 and bool(keep[1].all())
+    loss = head_losses(head, windows, states, 2, 1.0, mode=mode, end=end)[0].item()
+    changed_w, changed_s = windows.clone(), states.clone()
+    changed_w[0, 7:] = torch.randint(0, 256, (5,))
+    changed_s[0, 7:] = torch.randn(5, target.config.hidden_size)
+    assert head_losses(head, changed_w, changed_s, 2, 1.0, mode=mode, end=end)[0].item() == pytest.approx(loss, rel=1e-6)
+    every_row = head_losses(head, changed_w, changed_s, 2, 1.0, mode=mode)[0].item()
+    assert every_row != pytest.approx(head_losses(head, windows, states, 2, 1.0, mode=mode)[0].item(), rel=1e-3)
+    # no end inside the windows: the same loss as counting every row
+    never = EndOfTurn(row=end.row, first=12)
+    assert head_losses(head, changed_w, changed_s, 2, 1.0, mode=mode, end=never)[0].item() == pytest.approx(
+        every_row, rel=1e-5)
+
+
+def test_end_of_turn_is_the_tokenizers_eos_as_a_draft_row_and_is_required(tmp_path):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "hf", "llama")).float().eval()
+    head = DraftHead(target, torch.tensor([3, 7, 11, 40]), init_layer=None)
+    assert end_of_turn(head, SimpleNamespace(eos_token_id=11), HeadConfig(prompt_len=16)) == EndOfTurn(2, 15)
+    with pytest.raises(DraftTrainError, match="no end-of-turn"):
+        end_of_turn(head, SimpleNamespace(eos_token_id=None), HeadConfig())
