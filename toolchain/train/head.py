@@ -102,14 +102,12 @@ class EndOfTurn(NamedTuple):
     first: int
 
 
-def rows_until_end(t_logp: torch.Tensor, end: EndOfTurn | None) -> torch.Tensor | None:
-    """[B,T] bool: the rows up to and including the first one (from `end.first`) where the teacher's greedy
-    token among the draft vocabulary is end-of-turn; the target would have stopped there. None: every row."""
-    if end is None:
-        return None
-    ends = t_logp.argmax(-1) == end.row
-    ends[:, : end.first] = False
-    ends[:, -1] |= ~ends.any(1)  # no end: the whole window counts
+def rows_until_end(is_end: torch.Tensor, first: int) -> torch.Tensor:
+    """[B,T] bool: the rows up to and including the first one from `first` on where `is_end` [B,T] holds (the
+    target's greedy next token is end-of-turn: a run would have stopped there); every row if none does."""
+    ends = is_end.clone()
+    ends[:, :first] = False
+    ends[:, -1] |= ~ends.any(1)
     return torch.arange(ends.shape[1])[None] <= ends.long().argmax(1, keepdim=True)
 
 
@@ -144,7 +142,7 @@ def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, un
     positions = torch.arange(windows.shape[1])[None].expand(len(windows), -1)
     with torch.no_grad():
         t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
-        keep = rows_until_end(t_logp, end)
+        keep = None if end is None else rows_until_end(t_logp.argmax(-1) == end.row, end.first)
     feats = _shift_features(states)
     total, parts = 0.0, {}
     for step in range(unroll):
@@ -176,7 +174,7 @@ def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, u
     t = windows.shape[1]
     with torch.no_grad():
         t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
-        keep = rows_until_end(t_logp, end)
+        keep = None if end is None else rows_until_end(t_logp.argmax(-1) == end.row, end.first)
     mask = chain_mask(t, unroll)
     feats, toks = [_shift_features(states)], [windows]
     total, parts = 0.0, {}
@@ -229,16 +227,20 @@ def draft_chains(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, g
 
 @torch.no_grad()
 def chain_acceptance(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, targets: torch.Tensor,
-                     start: int, gamma: int) -> dict[str, Any]:
+                     start: int, gamma: int, keep: torch.Tensor | None = None) -> dict[str, Any]:
     """Greedy chain drafting from every position s >= start of each window (as the chain policy):
     the head sees true features for rows <= s, then its own; accepted = the leading drafts matching the
-    target's greedy tokens (`targets` [B,T]: the token after each position)."""
+    target's greedy tokens (`targets` [B,T]: the token after each position). `keep` [B,T] (rows_until_end):
+    only the rows a run decodes count, as starts and as drafts (a run stops at the target's end-of-turn)."""
     t = windows.shape[1]
     drafts, _ = draft_chains(head, windows, states, gamma)
     starts = torch.arange(start, t - gamma - 1)
     want = torch.stack([targets[:, starts + a] for a in range(gamma)], 1)  # the a-th draft is the token after s+a
-    ok = (drafts[:, :, starts] == want).long().cumprod(1)
-    acc = ok.sum(1).flatten().float()
+    ok = drafts[:, :, starts] == want
+    if keep is not None:
+        ok &= torch.stack([keep[:, starts + a] for a in range(gamma)], 1)
+    acc = ok.long().cumprod(1).sum(1)
+    acc = (acc if keep is None else acc[keep[:, starts]]).flatten().float()
     depth = [(acc >= k).float().mean().item() for k in range(1, gamma + 1)]
     return {"tokens_per_call": 1 + acc.mean().item(), "accept_at_depth": depth, "rounds": int(acc.numel())}
 
@@ -598,12 +600,18 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
                            every=20, lr_at=lr_at, max_steps=cfg.steps)
     head.eval()
     accepts = {"held_out": chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)}
+    eos = getattr(tok, "eos_token_id", None)
     for key, st in held_states.items():  # a set is absent when none of its prompts fits the window
-        accepts[f"held_out_{key}"] = chain_acceptance(head, held_sets[key], st, F.linear(st, e_all).argmax(-1),
-                                                      cfg.prompt_len, cfg.gamma)
+        greedy = F.linear(st, e_all).argmax(-1)
+        accepts[f"held_out_{key}"] = chain_acceptance(head, held_sets[key], st, greedy, cfg.prompt_len, cfg.gamma)
+        if eos is not None:  # the answers run past the target's end-of-turn; a run decodes only up to it
+            keep = rows_until_end(greedy == eos, cfg.prompt_len - 1)
+            accepts[f"held_out_{key}"]["to_end_of_turn"] = chain_acceptance(
+                head, held_sets[key], st, greedy, cfg.prompt_len, cfg.gamma, keep)
     for key, a in accepts.items():
+        to_end = f" ({a['to_end_of_turn']['tokens_per_call']:.2f} up to its end-of-turn)" if "to_end_of_turn" in a else ""
         log(f"held-out chain gamma={cfg.gamma} on the target's {HELD_OUT_SETS[key]}: {a['tokens_per_call']:.2f} "
-            f"tokens per target call; acceptance by depth {[round(x, 3) for x in a['accept_at_depth']]}")
+            f"tokens per target call{to_end}; acceptance by depth {[round(x, 3) for x in a['accept_at_depth']]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_head(head, out_dir / HEAD_FILE)
     # the cache by file name: its full path is this machine's (the cache's key checked what it holds)

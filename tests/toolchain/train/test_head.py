@@ -318,6 +318,8 @@ def test_a_training_run_reads_extra_rounds_and_refuses_to_be_one(tmp_path):
     assert any(m.startswith("extra on-policy windows: 9 from") for m in said)
     held = report["held_out_extra"]
     assert held["rounds"] == 2 * (64 - 16 - cfg.gamma - 1)  # both held-out windows measured, from every start
+    assert held["to_end_of_turn"]["rounds"] <= held["rounds"]  # also up to where the target ends each answer
+    assert any("up to its end-of-turn" in m for m in said if m.startswith("held-out chain gamma=4 on the target's answers"))
     with pytest.raises(DraftTrainError, match="--onpolicy-round 1: a later round only writes"):
         train_head(recipe, tmp_path / "head2", HeadConfig(**{**cfg.__dict__, "onpolicy_round": 1}), log=said.append)
     with pytest.raises(DraftTrainError, match="--onpolicy-extra: extra rounds are read by a training run"):
@@ -368,6 +370,15 @@ def test_all_chains_in_gamma_passes_draft_what_one_chain_at_a_time_drafts(tmp_pa
     assert acc["rounds"] == len(counts) and acc["tokens_per_call"] == pytest.approx(1 + sum(counts) / len(counts))
     assert acc["accept_at_depth"] == pytest.approx([sum(c >= k for c in counts) / len(counts) for k in (1, 2, 3)])
     assert acc["accept_at_depth"][1] > 0 and acc["accept_at_depth"][0] < 1  # chains accept two drafts, others none
+    # a run ends window 1 at row 8: starts after it do not count, nor drafts past it (start 8 took two)
+    keep = torch.ones(3, 20, dtype=torch.bool)
+    keep[1, 9:] = False
+    cut = chain_acceptance(head, windows, states, targets, 4, 3, keep)
+    kept = [int(want[b, 0, s] == targets[b, s]) * (1 + int(want[b, 1, s] == targets[b, s + 1] and keep[b, s + 1])
+            * (1 + int(want[b, 2, s] == targets[b, s + 2] and keep[b, s + 2]))) for s in starts for b in range(3)
+            if keep[b, s]]
+    assert cut["rounds"] == len(kept) < len(counts) and sum(kept) < sum(counts)
+    assert cut["tokens_per_call"] == pytest.approx(1 + sum(kept) / len(kept))
 
 
 def test_the_extra_held_out_windows_are_spread_over_the_rounds_windows():
@@ -467,9 +478,8 @@ def test_rows_until_end_keeps_each_window_up_to_its_first_end_of_turn_after_the_
     t_logp[0, 1, 2] = t_logp[0, 5, 2] = t_logp[0, 6, 2] = 1.0  # ends at 1 (in the prompt: ignored), 5 and 6
     t_logp[1, :, 3] = 1.0  # never ends
     t_logp[2, 3, 2] = 1.0  # ends on the prompt's last row: the answer's first token is end-of-turn
-    keep = rows_until_end(t_logp, EndOfTurn(row=2, first=3))
+    keep = rows_until_end(t_logp.argmax(-1) == 2, 3)
     assert keep.tolist() == [[True] * 6 + [False] * 2, [True] * 8, [True] * 4 + [False] * 4]
-    assert rows_until_end(t_logp, None) is None
 
 
 @pytest.mark.parametrize("mode", ["shift", "chain"])
@@ -484,7 +494,7 @@ def test_until_end_of_turn_the_loss_ignores_what_follows_the_targets_end(tmp_pat
     states = torch.randn(2, 12, target.config.hidden_size)
     end = EndOfTurn(row=5, first=3)
     states[0, 6] = 40 * head.lm_rows[end.row] / head.lm_rows[end.row].norm()  # the target ends window 0 at 6
-    keep = rows_until_end(torch.nn.functional.linear(states, head.lm_rows), end)
+    keep = rows_until_end(torch.nn.functional.linear(states, head.lm_rows).argmax(-1) == end.row, end.first)
     assert keep[0].tolist() == [True] * 7 + [False] * 5 and bool(keep[1].all())
     loss = head_losses(head, windows, states, 2, 1.0, mode=mode, end=end)[0].item()
     changed_w, changed_s = windows.clone(), states.clone()
