@@ -119,7 +119,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 answer_batch: int | None, precision: str, generate_only: bool, onpolicy_round: int,
                 onpolicy_extra: list[Path], unroll_mode: str, teacher_precision: str,
                 teacher_cache: Path | None, until_end_of_turn: bool = False) -> None:
-    from toolchain.train.head import HEAD_FILE, HELD_OUT_SETS, HeadConfig, generate_onpolicy, train_head
+    from toolchain.train.head import HEAD_FILE, HeadConfig, generate_onpolicy, held_out_table, train_head
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch}
@@ -169,10 +169,8 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
     console.print(f"[bold green]draft head[/] {out / HEAD_FILE}: {report['params_trained'] / 1e6:.1f}M trained params, "
                   f"draft vocabulary {report['draft_vocab']} (covers {report['vocab_coverage_held_out']:.3f} of the "
                   f"target's held-out tokens), {report['steps']} steps, {report['seconds']:.0f} s")
-    rows = [[what, f"{a['tokens_per_call']:.2f}", " ".join(f"{x:.3f}" for x in a["accept_at_depth"])]
-            for key, what in HELD_OUT_SETS.items() if (a := report.get(key))]
     console.print(rich_table(f"held-out chain gamma={cfg.gamma} on the target's own greedy text",
-                             (["held-out set", "tokens per target call", "acceptance by depth"], rows)))
+                             held_out_table(report)))
 
 
 @app.command("predictor")

@@ -44,6 +44,16 @@ HELD_OUT_SETS = {"held_out": "stdlib continuations", "held_out_app": "answers to
                  "held_out_extra": "answers to the extra rounds' chat requests"}
 
 
+def held_out_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The report's held-out chain acceptance as a table: a row per measured set, and for the answer sets the
+    figure counted only up to where the target ends each answer ("-" where not measured)."""
+    rows = [[what, f"{a['tokens_per_call']:.2f}",
+             f"{a['to_end_of_turn']['tokens_per_call']:.2f}" if "to_end_of_turn" in a else "-",
+             " ".join(f"{x:.3f}" for x in a["accept_at_depth"])]
+            for key, what in HELD_OUT_SETS.items() if (a := report.get(key))]
+    return ["held-out set", "tokens per target call", "up to its end-of-turn", "acceptance by depth"], rows
+
+
 @dataclass
 class HeadConfig:
     minutes: float = 20.0  # wall-clock budget of the whole command

@@ -26,6 +26,7 @@ from toolchain.train.head import (
     generate_onpolicy,
     head_losses,
     held_out_sample,
+    held_out_table,
     onpolicy_data,
     round0_windows,
     rows_until_end,
@@ -519,3 +520,13 @@ def test_end_of_turn_is_the_tokenizers_eos_as_a_draft_row_and_is_required(tmp_pa
     assert end_of_turn(head, SimpleNamespace(eos_token_id=11), HeadConfig(prompt_len=16)) == EndOfTurn(2, 15)
     with pytest.raises(DraftTrainError, match="no end-of-turn"):
         end_of_turn(head, SimpleNamespace(eos_token_id=None), HeadConfig())
+
+
+def test_the_held_out_table_gives_the_to_end_figure_where_it_was_measured():
+    chain = {"tokens_per_call": 2.5, "accept_at_depth": [0.7, 0.4, 0.25, 0.15]}
+    report = {"held_out": chain, "held_out_app": None,
+              "held_out_chat": {**chain, "to_end_of_turn": {**chain, "tokens_per_call": 2.75}}}
+    header, rows = held_out_table(report)
+    assert header[2] == "up to its end-of-turn"
+    assert rows == [["stdlib continuations", "2.50", "-", "0.700 0.400 0.250 0.150"],
+                    ["answers to self-written chat requests", "2.50", "2.75", "0.700 0.400 0.250 0.150"]]
