@@ -391,16 +391,20 @@ def test_the_extra_held_out_windows_are_spread_over_the_rounds_windows():
     assert len(held_out_sample(windows[:3], 4)[1]) == 0 and len(held_out_sample(windows, 0)[1]) == 0
 
 
-def test_the_chain_unroll_trains_each_row_on_what_the_chain_policy_would_feed_it(tmp_path):
-    import torch.nn.functional as F
+def _tiny_head_and_batch(tmp_path):
+    """A tiny target, a head over every other token of it, and 2 random windows of 12 with random states."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "hf", "llama")).float().eval()
     torch.manual_seed(0)
     head = DraftHead(target, torch.arange(0, 256, 2), init_layer=-1)
     head.config._attn_implementation = "sdpa"
-    windows = torch.randint(0, 256, (2, 12))
-    states = torch.randn(2, 12, target.config.hidden_size)
+    return target, head, torch.randint(0, 256, (2, 12)), torch.randn(2, 12, target.config.hidden_size)
+
+
+def test_the_chain_unroll_trains_each_row_on_what_the_chain_policy_would_feed_it(tmp_path):
+    import torch.nn.functional as F
+    target, head, windows, states = _tiny_head_and_batch(tmp_path)
     one_chain, _ = head_losses(head, windows, states, 1, 1.0, mode="chain")
     assert one_chain.item() == pytest.approx(head_losses(head, windows, states, 1, 1.0)[0].item(), rel=1e-6)
     _, parts = head_losses(head, windows, states, 2, 1.0, mode="chain")
@@ -485,14 +489,7 @@ def test_rows_until_end_keeps_each_window_up_to_its_first_end_of_turn_after_the_
 
 @pytest.mark.parametrize("mode", ["shift", "chain"])
 def test_until_end_of_turn_the_loss_ignores_what_follows_the_targets_end(tmp_path, mode):
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "hf", "llama")).float().eval()
-    torch.manual_seed(0)
-    head = DraftHead(target, torch.arange(0, 256, 2), init_layer=-1)
-    head.config._attn_implementation = "sdpa"
-    windows = torch.randint(0, 256, (2, 12))
-    states = torch.randn(2, 12, target.config.hidden_size)
+    target, head, windows, states = _tiny_head_and_batch(tmp_path)
     end = EndOfTurn(row=5, first=3)
     states[0, 6] = 40 * head.lm_rows[end.row] / head.lm_rows[end.row].norm()  # the target ends window 0 at 6
     keep = rows_until_end(torch.nn.functional.linear(states, head.lm_rows).argmax(-1) == end.row, end.first)
