@@ -242,9 +242,13 @@ def chain_acceptance(head: DraftHead, windows: torch.Tensor, states: torch.Tenso
     the head sees true features for rows <= s, then its own; accepted = the leading drafts matching the
     target's greedy tokens (`targets` [B,T]: the token after each position). `keep` [B,T] (rows_until_end):
     only the rows a run decodes count, as starts and as drafts (a run stops at the target's end-of-turn)."""
-    t = windows.shape[1]
-    drafts, _ = draft_chains(head, windows, states, gamma)
-    starts = torch.arange(start, t - gamma - 1)
+    return drafts_accepted(draft_chains(head, windows, states, gamma)[0], targets, start, gamma, keep)
+
+
+def drafts_accepted(drafts: torch.Tensor, targets: torch.Tensor, start: int, gamma: int,
+                    keep: torch.Tensor | None = None) -> dict[str, Any]:
+    """chain_acceptance's count on drafts already made by draft_chains ([B, gamma, T])."""
+    starts = torch.arange(start, drafts.shape[-1] - gamma - 1)
     want = torch.stack([targets[:, starts + a] for a in range(gamma)], 1)  # the a-th draft is the token after s+a
     ok = drafts[:, :, starts] == want
     if keep is not None:
@@ -613,11 +617,12 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     eos = getattr(tok, "eos_token_id", None)
     for key, st in held_states.items():  # a set is absent when none of its prompts fits the window
         greedy = F.linear(st, e_all).argmax(-1)
-        accepts[f"held_out_{key}"] = chain_acceptance(head, held_sets[key], st, greedy, cfg.prompt_len, cfg.gamma)
+        drafts = draft_chains(head, held_sets[key], st, cfg.gamma)[0]  # drafted once, counted both ways
+        accepts[f"held_out_{key}"] = drafts_accepted(drafts, greedy, cfg.prompt_len, cfg.gamma)
         if eos is not None:  # the answers run past the target's end-of-turn; a run decodes only up to it
             keep = rows_until_end(greedy == eos, cfg.prompt_len - 1)
-            accepts[f"held_out_{key}"]["to_end_of_turn"] = chain_acceptance(
-                head, held_sets[key], st, greedy, cfg.prompt_len, cfg.gamma, keep)
+            accepts[f"held_out_{key}"]["to_end_of_turn"] = drafts_accepted(drafts, greedy, cfg.prompt_len,
+                                                                           cfg.gamma, keep)
     for key, a in accepts.items():
         to_end = f" ({a['to_end_of_turn']['tokens_per_call']:.2f} up to its end-of-turn)" if "to_end_of_turn" in a else ""
         log(f"held-out chain gamma={cfg.gamma} on the target's {HELD_OUT_SETS[key]}: {a['tokens_per_call']:.2f} "
