@@ -1,4 +1,4 @@
-"""`mobc bench decode|lever|diffusion|ctg|ds2d|compile|startup|train-step`: each policy family against its baseline, as tables."""
+"""`mobc bench decode|lever|diffusion|ctg|ds2d|compile|startup|train-step|head`: each policy family against its baseline, as tables."""
 
 from __future__ import annotations
 
@@ -435,4 +435,43 @@ def bench_train_step(
                 ("max", "max_s", ".3f"), ("page faults per step", "faults_per_step", ",.0f"),
                 ("steps/min vs fp32 default", "steps_per_minute_vs_base", ".2fx")])
     console.print(f"peak RSS {res['peak_rss_bytes'] / 1e9:.2f} GB")
+    write_json(json_out, res)
+
+
+@app.command("head")
+def bench_head(
+    heads: list[Path] = typer.Argument(..., help="trained heads: head.safetensors files or the folders "
+                                       "`mobc train draft --kind head` wrote (the first is the ratios' base)"),
+    recipe: Path = typer.Option(Path("recipes/smollm2-135m.yaml"), "--recipe", help="the target's recipe"),
+    prompts: str = typer.Option("humaneval:20+chat:24", "--prompts", help=PROMPTS_HELP),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    gamma: int = typer.Option(4, "--gamma", min=1),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """Draft heads side by side, teacher-forced on the target's greedy answers: the tokens per target call a
+    chain run (no lookup) would reach, per prompt set, in minutes and with no compile."""
+    from toolchain.bench.head import head_weights, measure
+    from toolchain.compile.head import load_head
+    from toolchain.train.head import HEAD_FILE, load_target
+
+    if not recipe.is_file():
+        raise MobcError(f"{recipe}: no such recipe; give the target's recipe with --recipe")
+    files = [head_weights(h, HEAD_FILE) for h in heads]
+    if len(set(files)) < len(files):
+        raise MobcError("the same head is given twice; give each head once")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise MobcError(f"no head at {', '.join(missing)}: give head.safetensors files or the folders "
+                        "`mobc train draft --kind head` wrote")
+    target, tok, name, _ = load_target(recipe)
+    models = {str(h): load_head(target, f) for h, f in zip(heads, files, strict=True)}
+    log(f"{name}: {len(models)} heads, gamma {gamma}, answers of up to {max_new_tokens} tokens to {prompts}")
+    res = measure(target, tok, models, prompts, max_new_tokens, gamma, progress=log)
+    rows = [{**r, **{f"d{k + 1}": a for k, a in enumerate(r["accept_at_depth"])}} for r in res["rows"]]
+    print_rows(f"draft heads on {name}'s greedy answers ({res['answers']} prompts, up to {max_new_tokens} tokens), "
+               f"teacher-forced chain γ={gamma}",
+               rows, [("set", "set", ""), ("head", "head", ""), ("tokens/target call", "tokens_per_call", ".3f"),
+                      *[(f"≥{k + 1} accepted", f"d{k + 1}", ".3f") for k in range(gamma)],
+                      ("chains", "rounds", "d"), ("answer tokens in vocab", "vocab_coverage", ".3f"),
+                      ("vs first head", "vs_first", ".3fx")])
     write_json(json_out, res)

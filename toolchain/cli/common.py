@@ -94,7 +94,7 @@ def print_rows(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -
     """A table of `rows` (dicts); cols are (header, key, format spec; a trailing x marks a ratio)."""
     t = Table(title=title)
     for head, _, _ in cols:
-        t.add_column(head, justify="left" if head in ("policy", "mode") else "right")
+        t.add_column(head, justify="left" if head in ("policy", "mode", "set", "head") else "right")
     for r in rows:
         cells = []
         for _, key, spec in cols:

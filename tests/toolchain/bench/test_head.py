@@ -1,0 +1,104 @@
+"""`mobc bench head` on a tiny target: each head's chains are counted on the target's own greedy answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.cli_main import run_main
+from tests.tiny import save_tiny, write_recipe
+from toolchain.bench.head import prompt_sets
+from toolchain.bench.prompts import encode, load_prompts
+from toolchain.compile.head import load_head
+from toolchain.train.head import chain_acceptance, load_target
+from toolchain.train.head_model import DraftHead, save_head
+
+
+def test_prompt_sets_name_each_set_and_keep_repeated_kinds_apart():
+    assert prompt_sets("humaneval:20+chat:24") == {"humaneval": "humaneval:20", "chat": "chat:24"}
+    assert prompt_sets("file:a.txt+file:b.txt+chat:2") == {"file:a.txt": "file:a.txt", "file:b.txt": "file:b.txt",
+                                                            "chat": "chat:2"}
+
+
+def load_answer(target, tok, prompt, max_new):
+    """The target's greedy answer tokens to one prompt."""
+    ids = torch.tensor([encode(tok, prompt)])
+    with torch.no_grad():
+        seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                              pad_token_id=tok.eos_token_id)
+    return seq[0, ids.shape[1]:]
+
+
+def _expected(target, tok, head, spec, max_new, gamma):
+    """Tokens per call and chains of `head` on `spec`'s answers, one answer at a time, without the bench's code."""
+    total, rounds = 0.0, 0
+    for prompt in load_prompts(spec):
+        ids = torch.tensor([encode(tok, prompt)])
+        with torch.no_grad():
+            seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                                  pad_token_id=tok.eos_token_id)
+            states = target.model(seq).last_hidden_state
+            greedy = target.lm_head(states).argmax(-1)
+        acc = chain_acceptance(head, seq, states, greedy, ids.shape[1] - 1, gamma)
+        total += (acc["tokens_per_call"] - 1) * acc["rounds"]
+        rounds += acc["rounds"]
+    return 1 + total / rounds, rounds
+
+
+def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
+    hf = save_tiny(tmp_path / "hf", "llama")
+    recipe = write_recipe(tmp_path / "t.yaml", hf)
+    target, tok, _, _ = load_target(recipe)
+    heads = []
+    for seed, vocab in ((0, torch.arange(0, 512)), (1, torch.arange(0, 512, 2))):  # the second drafts no odd token
+        torch.manual_seed(seed)
+        head = DraftHead(target, vocab, init_layer=-1).float().eval()
+        head.config._attn_implementation = "sdpa"
+        (tmp_path / f"h{seed}").mkdir()
+        save_head(head, tmp_path / f"h{seed}" / "head.safetensors")
+        heads.append(load_head(target, tmp_path / f"h{seed}" / "head.safetensors"))  # its fp16 weights, as the bench
+    (tmp_path / "code.txt").write_text("def add(a, b):\n---\nclass Stack:\n    def push(self, x):\n---\nimport os\n")
+    (tmp_path / "text.txt").write_text("The cat sat on the\n---\nWrite a short poem about\n")
+    spec = f"file:{tmp_path / 'code.txt'}+file:{tmp_path / 'text.txt'}"
+    out = tmp_path / "r.json"
+    # the first head as its folder, the second as its file
+    r = run_main("bench", "head", tmp_path / "h0", tmp_path / "h1" / "head.safetensors", "--recipe", recipe,
+                 "--prompts", spec, "--max-new-tokens", "24", "--gamma", "3", "--json", out)
+    assert r.code == 0, r.err
+    assert "tokens/target call" in r.out and "vs first head" in r.out
+    res = json.loads(out.read_text())
+    rows = {(row["set"], row["head"]): row for row in res["rows"]}
+    labels = [str(tmp_path / "h0"), str(tmp_path / "h1" / "head.safetensors")]
+    assert {s for s, _ in rows} == {*prompt_sets(spec), "all"} and res["answers"] == 5
+    for head, label in zip(heads, labels, strict=True):
+        want = {name: _expected(target, tok, head, part, 24, 3) for name, part in prompt_sets(spec).items()}
+        for name, (tpc, n) in want.items():
+            assert rows[(name, label)]["rounds"] == n
+            assert rows[(name, label)]["tokens_per_call"] == pytest.approx(tpc, abs=1e-5)
+        n_all = sum(n for _, n in want.values())
+        assert rows[("all", label)]["rounds"] == n_all
+        assert rows[("all", label)]["tokens_per_call"] == pytest.approx(
+            sum(t * n for t, n in want.values()) / n_all, abs=1e-5)
+    first, second = rows[("all", labels[0])], rows[("all", labels[1])]
+    assert first["tokens_per_call"] != second["tokens_per_call"]  # two heads that differ: the check compares something
+    assert first["tokens_per_call"] > 1 or second["tokens_per_call"] > 1
+    assert first["vs_first"] == 1 and second["vs_first"] == pytest.approx(second["tokens_per_call"] / first["tokens_per_call"])
+    assert all(len(row["accept_at_depth"]) == 3 for row in res["rows"])
+    # the second head's vocabulary is the even tokens: its coverage is the answers' share of even tokens
+    assert first["vocab_coverage"] == 1 and 0 < second["vocab_coverage"] < 1
+    answers = [load_answer(target, tok, p, 24) for part in prompt_sets(spec).values() for p in load_prompts(part)]
+    assert second["vocab_coverage"] == pytest.approx(sum(int((a % 2 == 0).sum()) for a in answers)
+                                                      / sum(len(a) for a in answers))
+
+
+def test_the_bench_names_a_missing_head_a_repeated_head_and_a_missing_recipe(tmp_path):
+    recipe = write_recipe(tmp_path / "t.yaml", tmp_path / "hf")
+    r = run_main("bench", "head", tmp_path / "none", "--recipe", recipe)
+    assert r.clean_error and f"no head at {tmp_path / 'none'}" in r.err
+    (tmp_path / "h").mkdir()
+    r = run_main("bench", "head", tmp_path / "h", tmp_path / "h" / "head.safetensors", "--recipe", recipe)
+    assert r.clean_error and "the same head is given twice" in r.err
+    r = run_main("bench", "head", tmp_path / "h", "--recipe", tmp_path / "none.yaml")
+    assert r.clean_error and "none.yaml: no such recipe" in r.err

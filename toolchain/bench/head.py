@@ -1,0 +1,97 @@
+"""`mobc bench head`: trained draft heads side by side on the target's own answers, teacher-forced.
+
+The target answers every prompt greedily (up to max_new tokens or its end-of-turn); each head then drafts a
+gamma-token chain from every answer position, seeing the target's true features up to that position and its
+own after it, as the chain policy does without lookup. A chain counts the leading drafts equal to the target's
+greedy tokens, so tokens per target call is what a chain run would reach on these answers. No compiled graphs
+and no runtime: a few minutes where a decode bench takes twenty, and every head reads the same answers and
+teacher states, so the differences between heads are the heads'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolchain.bench.prompts import encode, load_prompts
+from toolchain.train.draft import teacher_states
+from toolchain.train.head import draft_chains, drafts_accepted
+
+
+def prompt_sets(spec: str) -> dict[str, str]:
+    """`spec`'s sets by name (humaneval:20+chat:24 -> humaneval, chat); a set given twice keeps its full spec."""
+    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    names = [p.partition(":")[0] for p in parts]
+    return {(n if names.count(n) == 1 else p): p for n, p in zip(names, parts, strict=True)}
+
+
+@torch.no_grad()
+def target_answers(target: Any, tok: Any, spec: str, max_new: int) -> list[tuple[torch.Tensor, int]]:
+    """(prompt + greedy answer [1, T], prompt length) per prompt of `spec`; an answer ends at the target's eos."""
+    eos = getattr(tok, "eos_token_id", None)
+    out = []
+    for prompt in load_prompts(spec):
+        ids = torch.tensor([encode(tok, prompt)])
+        seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                              pad_token_id=eos if eos is not None else 0)
+        out.append((seq, ids.shape[1]))
+    return out
+
+
+def _counts(acc: dict[str, Any]) -> dict[str, Any]:
+    """drafts_accepted's means as sums, so answers of any length add up."""
+    n = acc["rounds"]
+    return {"rounds": n, "accepted": (acc["tokens_per_call"] - 1) * n,
+            "at_depth": [d * n for d in acc["accept_at_depth"]]}
+
+
+def _row(counts: list[dict[str, Any]], gamma: int) -> dict[str, Any]:
+    n, tokens = sum(c["rounds"] for c in counts), sum(c["answer_tokens"] for c in counts)
+    coverage = {"vocab_coverage": sum(c["in_vocab"] for c in counts) / tokens if tokens else None}
+    if not n:
+        return {"rounds": 0, "tokens_per_call": None, "accept_at_depth": [None] * gamma, **coverage}
+    return {"rounds": n, "tokens_per_call": 1 + sum(c["accepted"] for c in counts) / n,
+            "accept_at_depth": [sum(c["at_depth"][k] for c in counts) / n for k in range(gamma)], **coverage}
+
+
+def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: int, gamma: int,
+            progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Rows per (prompt set, head) and per head over all sets ("all"): tokens per target call, the share of
+    chains accepting at least k drafts, the chains counted, the share of the answers' tokens inside the head's
+    draft vocabulary, and the ratio of tokens per call to the first head's."""
+    lm_head = target.get_output_embeddings().weight
+    per: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    sets = prompt_sets(spec)
+    answers = 0
+    for name, part in sets.items():
+        seqs = target_answers(target, tok, part, max_new)
+        answers += len(seqs)
+        progress(f"{name}: {len(seqs)} answers, {sum(s.shape[1] - p for s, p in seqs)} answer tokens")
+        for seq, plen in seqs:
+            states, _ = teacher_states(target, seq, float("inf"), 1, lambda _m: None)
+            greedy = torch.nn.functional.linear(states, lm_head).argmax(-1)  # the target's token after each row
+            for label, head in heads.items():
+                drafts = draft_chains(head, seq, states, gamma)[0]
+                counts = _counts(drafts_accepted(drafts, greedy, plen - 1, gamma))
+                answer = seq[0, plen:]  # a token outside the head's vocabulary is one it can never draft
+                counts.update(answer_tokens=len(answer), in_vocab=int(torch.isin(answer, head.vocab_ids).sum()))
+                per.setdefault((name, label), []).append(counts)
+    rows = []
+    for name in [*sets, "all"]:
+        first = None
+        for label in heads:
+            counts = per[(name, label)] if name != "all" else [c for s in sets for c in per[(s, label)]]
+            row = {"set": name, "head": label, **_row(counts, gamma)}
+            first = row["tokens_per_call"] if first is None else first
+            tpc = row["tokens_per_call"]
+            row["vs_first"] = tpc / first if tpc is not None and first else None
+            rows.append(row)
+    return {"prompts": spec, "answers": answers, "max_new_tokens": max_new, "gamma": gamma, "rows": rows}
+
+
+def head_weights(path: Path, file_name: str) -> Path:
+    """A head's safetensors: the path itself, or `file_name` inside a folder `mobc train draft --kind head` wrote."""
+    return path / file_name if path.is_dir() else path
