@@ -79,17 +79,25 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
                 answer = seq[0, plen:]  # a token outside the head's vocabulary is one it can never draft
                 counts.update(answer_tokens=len(answer), in_vocab=int(torch.isin(answer, head.vocab_ids).sum()))
                 per.setdefault((name, label), []).append(counts)
+    return {"prompts": spec, "answers": answers, "max_new_tokens": max_new, "gamma": gamma,
+            "rows": table_rows(per, list(sets), list(heads), gamma)}
+
+
+def table_rows(per: dict[tuple[str, str], list[dict[str, Any]]], sets: list[str], heads: list[str],
+               gamma: int) -> list[dict[str, Any]]:
+    """One row per (set, head) from each answer's counts, then per head over all sets; vs_first is the ratio
+    to the first head's tokens per call in the same set."""
     rows = []
     for name in [*sets, "all"]:
         first = None
-        for label in heads:
+        for i, label in enumerate(heads):
             counts = per[(name, label)] if name != "all" else [c for s in sets for c in per[(s, label)]]
             row = {"set": name, "head": label, **_row(counts, gamma)}
-            first = row["tokens_per_call"] if first is None else first
             tpc = row["tokens_per_call"]
+            first = tpc if i == 0 else first  # no chain in the set (answers too short): no ratio, not another base
             row["vs_first"] = tpc / first if tpc is not None and first else None
             rows.append(row)
-    return {"prompts": spec, "answers": answers, "max_new_tokens": max_new, "gamma": gamma, "rows": rows}
+    return rows
 
 
 def head_weights(path: Path, file_name: str) -> Path:

@@ -451,6 +451,7 @@ def bench_head(
     """Draft heads side by side, teacher-forced on the target's greedy answers: the tokens per target call a
     chain run (no lookup) would reach, per prompt set, in minutes and with no compile."""
     from toolchain.bench.head import head_weights, measure
+    from toolchain.bench.prompts import load_prompts
     from toolchain.compile.head import load_head
     from toolchain.train.head import HEAD_FILE, load_target
 
@@ -463,6 +464,7 @@ def bench_head(
     if missing:
         raise MobcError(f"no head at {', '.join(missing)}: give head.safetensors files or the folders "
                         "`mobc train draft --kind head` wrote")
+    load_prompts(prompts)  # a bad --prompts is refused before the target loads
     target, tok, name, _ = load_target(recipe)
     models = {str(h): load_head(target, f) for h, f in zip(heads, files, strict=True)}
     log(f"{name}: {len(models)} heads, gamma {gamma}, answers of up to {max_new_tokens} tokens to {prompts}")

@@ -9,7 +9,7 @@ import torch
 
 from tests.cli_main import run_main
 from tests.tiny import save_tiny, write_recipe
-from toolchain.bench.head import prompt_sets
+from toolchain.bench.head import prompt_sets, table_rows
 from toolchain.bench.prompts import encode, load_prompts
 from toolchain.compile.head import load_head
 from toolchain.train.head import chain_acceptance, load_target
@@ -20,6 +20,25 @@ def test_prompt_sets_name_each_set_and_keep_repeated_kinds_apart():
     assert prompt_sets("humaneval:20+chat:24") == {"humaneval": "humaneval:20", "chat": "chat:24"}
     assert prompt_sets("file:a.txt+file:b.txt+chat:2") == {"file:a.txt": "file:a.txt", "file:b.txt": "file:b.txt",
                                                             "chat": "chat:2"}
+
+
+def test_the_rows_add_answers_by_their_chains_and_take_ratios_to_the_first_head_only():
+    def answer(rounds, accepted, depth1, tokens, in_vocab):
+        return {"rounds": rounds, "accepted": accepted, "at_depth": [depth1, 0.0], "answer_tokens": tokens,
+                "in_vocab": in_vocab}
+
+    per = {("a", "h1"): [answer(0, 0.0, 0.0, 1, 1)], ("a", "h2"): [answer(2, 1.0, 1.0, 3, 2)],  # h1: too short
+           ("b", "h1"): [answer(4, 2.0, 2.0, 8, 8), answer(6, 6.0, 4.0, 10, 9)],
+           ("b", "h2"): [answer(4, 4.0, 3.0, 8, 8), answer(6, 3.0, 3.0, 10, 10)]}
+    rows = {(r["set"], r["head"]): r for r in table_rows(per, ["a", "b"], ["h1", "h2"], 2)}
+    assert rows[("a", "h1")]["tokens_per_call"] is None and rows[("a", "h2")]["tokens_per_call"] == 1.5
+    assert rows[("a", "h2")]["vs_first"] is None  # not a ratio to itself
+    assert rows[("b", "h1")]["tokens_per_call"] == pytest.approx(1.8) and rows[("b", "h1")]["vs_first"] == 1
+    assert rows[("b", "h2")]["tokens_per_call"] == pytest.approx(1.7)
+    assert rows[("b", "h2")]["vs_first"] == pytest.approx(1.7 / 1.8)
+    assert rows[("b", "h1")]["accept_at_depth"] == pytest.approx([0.6, 0.0])
+    assert rows[("all", "h2")]["vocab_coverage"] == pytest.approx(20 / 21) and rows[("all", "h2")]["rounds"] == 12
+    assert rows[("all", "h2")]["tokens_per_call"] == pytest.approx(1 + 8 / 12)
 
 
 def load_answer(target, tok, prompt, max_new):
@@ -102,3 +121,6 @@ def test_the_bench_names_a_missing_head_a_repeated_head_and_a_missing_recipe(tmp
     assert r.clean_error and "the same head is given twice" in r.err
     r = run_main("bench", "head", tmp_path / "h", "--recipe", tmp_path / "none.yaml")
     assert r.clean_error and "none.yaml: no such recipe" in r.err
+    (tmp_path / "h" / "head.safetensors").write_bytes(b"")
+    r = run_main("bench", "head", tmp_path / "h", "--recipe", recipe, "--prompts", "poems:3")
+    assert r.clean_error and "--prompts 'poems:3'" in r.err  # refused before the (here missing) target loads
