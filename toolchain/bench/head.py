@@ -18,7 +18,7 @@ import torch
 
 from toolchain.bench.prompts import encode, load_prompts
 from toolchain.train.draft import teacher_states
-from toolchain.train.head import draft_chains, drafts_accepted
+from toolchain.train.head import HEAD_FILE, draft_chains, drafts_accepted
 
 
 def prompt_sets(spec: str) -> dict[str, str]:
@@ -75,8 +75,10 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
             greedy = torch.nn.functional.linear(states, lm_head).argmax(-1)  # the target's token after each row
             for label, head in heads.items():
                 drafts = draft_chains(head, seq, states, gamma)[0]
-                counts = _counts(drafts_accepted(drafts, greedy, plen - 1, gamma))
-                answer = seq[0, plen:]  # a token outside the head's vocabulary is one it can never draft
+                # the first chain starts at the answer's first token (row plen): the target's prefill gives that
+                # token, as in a run and in the training report's held-out count
+                counts = _counts(drafts_accepted(drafts, greedy, plen, gamma))
+                answer = seq[0, plen + 1 :]  # the tokens a run drafts; one outside the vocabulary is never drafted
                 counts.update(answer_tokens=len(answer), in_vocab=int(torch.isin(answer, head.vocab_ids).sum()))
                 per.setdefault((name, label), []).append(counts)
     return {"prompts": spec, "answers": answers, "max_new_tokens": max_new, "gamma": gamma,
@@ -100,6 +102,6 @@ def table_rows(per: dict[tuple[str, str], list[dict[str, Any]]], sets: list[str]
     return rows
 
 
-def head_weights(path: Path, file_name: str) -> Path:
-    """A head's safetensors: the path itself, or `file_name` inside a folder `mobc train draft --kind head` wrote."""
-    return path / file_name if path.is_dir() else path
+def head_weights(path: Path) -> Path:
+    """A head's safetensors: the path itself, or the file inside a folder `mobc train draft --kind head` wrote."""
+    return path / HEAD_FILE if path.is_dir() else path

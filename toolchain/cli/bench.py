@@ -453,11 +453,11 @@ def bench_head(
     from toolchain.bench.head import head_weights, measure
     from toolchain.bench.prompts import load_prompts
     from toolchain.compile.head import load_head
-    from toolchain.train.head import HEAD_FILE, load_target
+    from toolchain.train.head import load_target
 
     if not recipe.is_file():
         raise MobcError(f"{recipe}: no such recipe; give the target's recipe with --recipe")
-    files = [head_weights(h, HEAD_FILE) for h in heads]
+    files = [head_weights(h) for h in heads]
     if len(set(files)) < len(files):
         raise MobcError("the same head is given twice; give each head once")
     missing = [str(f) for f in files if not f.is_file()]

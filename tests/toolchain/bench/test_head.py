@@ -41,26 +41,24 @@ def test_the_rows_add_answers_by_their_chains_and_take_ratios_to_the_first_head_
     assert rows[("all", "h2")]["tokens_per_call"] == pytest.approx(1 + 8 / 12)
 
 
-def load_answer(target, tok, prompt, max_new):
-    """The target's greedy answer tokens to one prompt."""
+def _answer(target, tok, prompt, max_new):
+    """The target's prompt + greedy answer [1, T] to one prompt, and the prompt's length."""
     ids = torch.tensor([encode(tok, prompt)])
     with torch.no_grad():
         seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                               pad_token_id=tok.eos_token_id)
-    return seq[0, ids.shape[1]:]
+    return seq, ids.shape[1]
 
 
 def _expected(target, tok, head, spec, max_new, gamma):
     """Tokens per call and chains of `head` on `spec`'s answers, one answer at a time, without the bench's code."""
     total, rounds = 0.0, 0
     for prompt in load_prompts(spec):
-        ids = torch.tensor([encode(tok, prompt)])
+        seq, plen = _answer(target, tok, prompt, max_new)
         with torch.no_grad():
-            seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                  pad_token_id=tok.eos_token_id)
             states = target.model(seq).last_hidden_state
             greedy = target.lm_head(states).argmax(-1)
-        acc = chain_acceptance(head, seq, states, greedy, ids.shape[1] - 1, gamma)
+        acc = chain_acceptance(head, seq, states, greedy, plen, gamma)  # drafts from the 2nd answer token on
         total += (acc["tokens_per_call"] - 1) * acc["rounds"]
         rounds += acc["rounds"]
     return 1 + total / rounds, rounds
@@ -107,7 +105,9 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
     assert all(len(row["accept_at_depth"]) == 3 for row in res["rows"])
     # the second head's vocabulary is the even tokens: its coverage is the answers' share of even tokens
     assert first["vocab_coverage"] == 1 and 0 < second["vocab_coverage"] < 1
-    answers = [load_answer(target, tok, p, 24) for part in prompt_sets(spec).values() for p in load_prompts(part)]
+    # the tokens a run drafts: the first answer token comes from the target's prefill
+    answers = [seq[0, plen + 1 :] for part in prompt_sets(spec).values() for p in load_prompts(part)
+               for seq, plen in [_answer(target, tok, p, 24)]]
     assert second["vocab_coverage"] == pytest.approx(sum(int((a % 2 == 0).sum()) for a in answers)
                                                       / sum(len(a) for a in answers))
 
