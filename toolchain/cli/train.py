@@ -74,6 +74,8 @@ def train_draft(
     until_end_of_turn: bool = typer.Option(False, "--until-end-of-turn", help="head: train each answer only up to "
                                            "where the target itself would end it (its greedy next token is "
                                            "end-of-turn); the answers are generated past that point"),
+    weight_decay: float | None = typer.Option(None, "--weight-decay", help="head: AdamW's decoupled weight decay "
+                                              "on the head's matrices (default 0: none)"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""
@@ -86,12 +88,14 @@ def train_draft(
                     self_chat_openers=self_chat_openers, answer_batch=answer_batch, precision=precision,
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
-                    until_end_of_turn=until_end_of_turn)
+                    until_end_of_turn=until_end_of_turn, weight_decay=weight_decay)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
     if steps is not None:
         raise MobcError("--steps: a fixed step count is for --kind head; --kind layers trains for --minutes")
+    if weight_decay is not None:
+        raise MobcError("--weight-decay: it is for --kind head; --kind layers trains without decay")
     from toolchain.train.draft import DistillConfig
     from toolchain.train.draft import train_draft as run_train
 
@@ -118,11 +122,13 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 self_chat: int | None, onpolicy_cache: Path | None, unroll: int | None, *, self_chat_openers: bool,
                 answer_batch: int | None, precision: str, generate_only: bool, onpolicy_round: int,
                 onpolicy_extra: list[Path], unroll_mode: str, teacher_precision: str,
-                teacher_cache: Path | None, until_end_of_turn: bool = False) -> None:
+                teacher_cache: Path | None, until_end_of_turn: bool = False,
+                weight_decay: float | None = None) -> None:
     from toolchain.train.head import HEAD_FILE, HeadConfig, generate_onpolicy, held_out_table, train_head
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
-             "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch}
+             "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch,
+             "weight_decay": weight_decay}
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
@@ -155,6 +161,8 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                         "pass and the training need the rest)")
     if not 1 <= cfg.unroll <= 4:
         raise MobcError(f"--unroll {cfg.unroll}: give 1 to 4 passes (each costs a full pass over the batch)")
+    if not 0.0 <= cfg.weight_decay < 1.0:
+        raise MobcError(f"--weight-decay {cfg.weight_decay}: give a decay from 0 (none) to below 1 (0.01-0.1 is usual)")
     if cfg.self_chat < 0:
         raise MobcError(f"--self-chat {cfg.self_chat}: give a count >= 0")
     if generate_only:

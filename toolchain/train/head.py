@@ -63,6 +63,7 @@ class HeadConfig:
     seq_len: int = 256
     batch: int = 4
     lr: float = 1e-3
+    weight_decay: float = 0.0  # AdamW's decoupled decay on the head's matrices (loop.timed_adamw_loop)
     lr_floor: float = 0.1  # cosine decay over the training's time share down to lr_floor * lr (1.0: constant)
     feature_weight: float = 1.0  # smooth-L1 feature loss beside the KL
     unroll: int = 2
@@ -611,7 +612,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
                                   f"{time.perf_counter() - t0:.0f} s; give the training at least a few minutes more")
         lr_at = cosine_by_time(cfg.lr, left, floor=cfg.lr_floor)
     res = timed_adamw_loop(head, head.trainable(), step_loss, lr=cfg.lr, seconds=left, log=log, label="loss",
-                           every=20, lr_at=lr_at, max_steps=cfg.steps)
+                           every=20, lr_at=lr_at, max_steps=cfg.steps, weight_decay=cfg.weight_decay)
     head.eval()
     accepts = {"held_out": chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)}
     eos = getattr(tok, "eos_token_id", None)

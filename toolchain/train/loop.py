@@ -106,9 +106,12 @@ def timed_adamw_loop(
     clip: float = 1.0,
     lr_at: Callable[[int], float] | None = None,
     max_steps: int | None = None,
+    weight_decay: float = 0.0,
 ) -> LoopResult:
-    """AdamW (no weight decay) on `params` for `seconds` of wall clock (or `max_steps` steps, if
-    that comes first: a fixed amount of work, whatever the machine's load).
+    """AdamW on `params` for `seconds` of wall clock (or `max_steps` steps, if that comes first: a fixed
+    amount of work, whatever the machine's load). `weight_decay` (decoupled, scaled by each step's lr)
+    applies to the matrices only: norm gains and biases set scales and offsets, and shrinking them
+    regularizes nothing.
 
     Each step: lr from `lr_at(step)` if given (step counts from 0), loss = step_loss(), backward,
     clip the gradients' total norm to `clip`, optimizer step. Every `every` steps it logs
@@ -116,7 +119,10 @@ def timed_adamw_loop(
     during the loop and in eval mode after it.
     """
     reuse_freed_memory()
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    matrices = [p for p in params if p.ndim >= 2]
+    others = [p for p in params if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
     module.train()
     t0 = time.perf_counter()
     step, losses = 0, []

@@ -152,7 +152,9 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--generate-only", "--onpolicy-extra", RECIPES / "smollm2-135m.yaml"),
                          "read by a training run"),
                         (("--steps", "100", "--minutes", "5"), "--steps 100: give N >= 1 training steps, without --minutes"),
-                        (("--steps", "0"), "--steps 0: give N >= 1")):
+                        (("--steps", "0"), "--steps 0: give N >= 1"),
+                        (("--weight-decay", "-0.1"), "--weight-decay -0.1: give a decay from 0"),
+                        (("--weight-decay", "1.5"), "--weight-decay 1.5: give a decay from 0")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)
         assert r.clean_error, r.err
         assert named in r.err
@@ -161,5 +163,7 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     assert r.clean_error and "--out DIR" in r.err
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--steps", "10")
     assert r.clean_error and "--steps: a fixed step count is for --kind head" in r.err and not out.exists()
+    r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--weight-decay", "0.1")
+    assert r.clean_error and "--weight-decay: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--generate-only")
     assert r.clean_error and "--onpolicy-cache FILE" in r.err  # generation alone writes no draft: no --out needed

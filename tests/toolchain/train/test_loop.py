@@ -55,6 +55,23 @@ def test_loop_matches_the_hand_written_loop_step_for_step():
         assert torch.equal(a, b)
 
 
+def test_weight_decay_shrinks_the_matrices_by_each_steps_lr_and_leaves_biases_alone():
+    net, _, _ = _problem()
+    before = [p.detach().clone() for p in net.parameters()]
+    lrs = [0.1, 0.05, 0.2, 0.1]
+
+    def zero_gradient() -> torch.Tensor:  # gradients of zero: Adam moves nothing, only the decay acts
+        return sum(p.sum() for p in net.parameters()) * 0.0
+
+    res = timed_adamw_loop(net, list(net.parameters()), zero_gradient, lr=0.1, seconds=60.0, log=print, label="x",
+                           every=10, lr_at=lambda step: lrs[step], max_steps=len(lrs), weight_decay=0.5)
+    assert res.steps == len(lrs)
+    shrink = torch.prod(torch.tensor([1.0 - lr * 0.5 for lr in lrs]))
+    for p, p0 in zip(net.parameters(), before, strict=True):
+        expected = p0 * shrink if p.ndim >= 2 else p0
+        assert torch.allclose(p, expected, atol=1e-6), p.shape
+
+
 def test_no_step_when_no_time():
     net, x, y = _problem()
     res = timed_adamw_loop(
