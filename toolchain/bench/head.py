@@ -5,7 +5,9 @@ gamma-token chain from every answer position, seeing the target's true features 
 own after it, as the chain policy does without lookup. A chain counts the leading drafts equal to the target's
 greedy tokens, so tokens per target call is what a chain run would reach on these answers. No compiled graphs
 and no runtime: a few minutes where a decode bench takes twenty, and every head reads the same answers and
-teacher states, so the differences between heads are the heads'.
+teacher states, so the differences between heads are the heads'. Sets of windows from the on-policy caches
+a training read (`windows`) measure the heads on answers they were trained on: the gap to the prompt sets is
+how much a head over-fits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from toolchain.bench.prompts import encode, load_prompts
 from toolchain.train.draft import teacher_states
-from toolchain.train.head import HEAD_FILE, draft_chains, drafts_accepted
+from toolchain.train.head import HEAD_FILE, cached_answers, draft_chains, drafts_accepted
 
 
 def prompt_sets(spec: str) -> dict[str, str]:
@@ -57,18 +59,35 @@ def _row(counts: list[dict[str, Any]], gamma: int) -> dict[str, Any]:
             "accept_at_depth": [sum(c["at_depth"][k] for c in counts) / n for k in range(gamma)], **coverage}
 
 
+def window_answers(spec: str) -> tuple[str, list[tuple[torch.Tensor, int]]]:
+    """`FILE[:N]`: N (default 64) evenly spaced answer windows of an on-policy cache, each as (window [1, T],
+    its prompt's length), named by the file."""
+    path, _, count = spec.rpartition(":")
+    if not count.isdigit():
+        path, count = spec, "64"
+    if int(count) < 1:
+        raise ValueError(f"--windows {spec}: give FILE or FILE:N with N >= 1 windows")
+    windows, plen = cached_answers(Path(path), "--windows")
+    picks = torch.linspace(0, len(windows) - 1, min(int(count), len(windows))).round().long().unique()
+    return Path(path).name, [(windows[i : i + 1], plen) for i in picks.tolist()]
+
+
 def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: int, gamma: int,
-            progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    """Rows per (prompt set, head) and per head over all sets ("all"): tokens per target call, the share of
-    chains accepting at least k drafts, the chains counted, the share of the answers' tokens inside the head's
-    draft vocabulary, and the ratio of tokens per call to the first head's."""
+            progress: Callable[[str], None] = lambda _m: None,
+            windows: dict[str, list[tuple[torch.Tensor, int]]] | None = None) -> dict[str, Any]:
+    """Rows per (prompt set, head) and per head over all prompt sets ("all"), then per (window set, head):
+    tokens per target call, the share of chains accepting at least k drafts, the chains counted, the share of
+    the answers' tokens inside the head's draft vocabulary, and the ratio of tokens per call to the first
+    head's."""
     lm_head = target.get_output_embeddings().weight
     per: dict[tuple[str, str], list[dict[str, Any]]] = {}
     sets = prompt_sets(spec)
     answers = 0
-    for name, part in sets.items():
-        seqs = target_answers(target, tok, part, max_new)
-        answers += len(seqs)
+    answer_sets = {name: lambda part=part: target_answers(target, tok, part, max_new) for name, part in sets.items()}
+    answer_sets.update({name: lambda seqs=seqs: seqs for name, seqs in (windows or {}).items()})
+    for name, answers_of in answer_sets.items():
+        seqs = answers_of()
+        answers += len(seqs) if name in sets else 0
         progress(f"{name}: {len(seqs)} answers, {sum(s.shape[1] - p for s, p in seqs)} answer tokens")
         for seq, plen in seqs:
             states, _ = teacher_states(target, seq, float("inf"), 1, lambda _m: None)
@@ -82,15 +101,16 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
                 counts.update(answer_tokens=len(answer), in_vocab=int(torch.isin(answer, head.vocab_ids).sum()))
                 per.setdefault((name, label), []).append(counts)
     return {"prompts": spec, "answers": answers, "max_new_tokens": max_new, "gamma": gamma,
-            "rows": table_rows(per, list(sets), list(heads), gamma)}
+            "windows": {name: len(seqs) for name, seqs in (windows or {}).items()},
+            "rows": table_rows(per, list(sets), list(heads), gamma, list(windows or {}))}
 
 
 def table_rows(per: dict[tuple[str, str], list[dict[str, Any]]], sets: list[str], heads: list[str],
-               gamma: int) -> list[dict[str, Any]]:
-    """One row per (set, head) from each answer's counts, then per head over all sets; vs_first is the ratio
-    to the first head's tokens per call in the same set."""
+               gamma: int, after: list[str] = ()) -> list[dict[str, Any]]:
+    """One row per (set, head) from each answer's counts, then per head over all `sets`, then per (set of
+    `after`, head) (in no "all" row); vs_first is the ratio to the first head's tokens per call in the same set."""
     rows = []
-    for name in [*sets, "all"]:
+    for name in [*sets, "all", *after]:
         first = None
         for i, label in enumerate(heads):
             counts = per[(name, label)] if name != "all" else [c for s in sets for c in per[(s, label)]]

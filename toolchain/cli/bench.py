@@ -446,11 +446,14 @@ def bench_head(
     prompts: str = typer.Option("humaneval:20+chat:24", "--prompts", help=PROMPTS_HELP),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     gamma: int = typer.Option(4, "--gamma", min=1),
+    windows: list[str] = typer.Option([], "--windows", help="FILE[:N]: also N (default 64) evenly spaced answer "
+                                      "windows of an on-policy cache a training read, a set of its own (how much "
+                                      "the heads over-fit; repeatable)"),
     json_out: Path | None = typer.Option(None, "--json"),
 ) -> None:
     """Draft heads side by side, teacher-forced on the target's greedy answers: the tokens per target call a
     chain run (no lookup) would reach, per prompt set, in minutes and with no compile."""
-    from toolchain.bench.head import head_weights, measure
+    from toolchain.bench.head import head_weights, measure, window_answers
     from toolchain.bench.prompts import load_prompts
     from toolchain.compile.head import load_head
     from toolchain.train.head import load_target
@@ -464,11 +467,17 @@ def bench_head(
     if missing:
         raise MobcError(f"no head at {', '.join(missing)}: give head.safetensors files or the folders "
                         "`mobc train draft --kind head` wrote")
-    load_prompts(prompts)  # a bad --prompts is refused before the target loads
+    load_prompts(prompts)  # a bad --prompts or --windows is refused before the target loads
+    try:
+        window_sets = dict(window_answers(w) for w in windows)
+    except ValueError as exc:
+        raise MobcError(str(exc)) from None
+    if len(window_sets) < len(windows):
+        raise MobcError("--windows: the same cache is given twice; give each file once")
     target, tok, name, _ = load_target(recipe)
     models = {str(h): load_head(target, f) for h, f in zip(heads, files, strict=True)}
     log(f"{name}: {len(models)} heads, gamma {gamma}, answers of up to {max_new_tokens} tokens to {prompts}")
-    res = measure(target, tok, models, prompts, max_new_tokens, gamma, progress=log)
+    res = measure(target, tok, models, prompts, max_new_tokens, gamma, progress=log, windows=window_sets)
     rows = [{**r, **{f"d{k + 1}": a for k, a in enumerate(r["accept_at_depth"])}} for r in res["rows"]]
     print_rows(f"draft heads on {name}'s greedy answers ({res['answers']} prompts, up to {max_new_tokens} tokens), "
                f"teacher-forced chain γ={gamma}",

@@ -538,10 +538,16 @@ def end_of_turn(head: DraftHead, tok: Any, cfg: HeadConfig) -> EndOfTurn:
 
 def answer_windows(path: Path, option: str) -> torch.Tensor:
     """The training answer windows of an on-policy cache file this command wrote (int64 token ids)."""
+    return cached_answers(path, option)[0]
+
+
+def cached_answers(path: Path, option: str) -> tuple[torch.Tensor, int]:
+    """answer_windows and the length of the prompt that opens each window (the answer follows it)."""
     if not path.is_file():
         raise DraftTrainError(f"{option} {path}: no such file; give an on-policy cache `mobc train draft --kind "
                               "head` wrote (assets/heads/ ships some)")
-    return _read_cache(path, option)["app"].long()
+    saved = _read_cache(path, option)
+    return saved["app"].long(), int(saved["key"]["prompt_len"])
 
 
 def generate_onpolicy(recipe_path: Path, cfg: HeadConfig, log: Callable[[str], None] = print) -> dict[str, int]:

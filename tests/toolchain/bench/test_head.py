@@ -80,15 +80,26 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
     (tmp_path / "text.txt").write_text("The cat sat on the\n---\nWrite a short poem about\n")
     spec = f"file:{tmp_path / 'code.txt'}+file:{tmp_path / 'text.txt'}"
     out = tmp_path / "r.json"
+    # an on-policy cache as a training reads it: windows of a 6-token prompt and its answer
+    windows = torch.randint(0, 512, (5, 20), generator=torch.Generator().manual_seed(3))
+    torch.save({"key": {"prompt_len": 6, "seq_len": 20}, "app": windows.to(torch.int32)}, tmp_path / "r1.pt")
     # the first head as its folder, the second as its file
     r = run_main("bench", "head", tmp_path / "h0", tmp_path / "h1" / "head.safetensors", "--recipe", recipe,
-                 "--prompts", spec, "--max-new-tokens", "24", "--gamma", "3", "--json", out)
+                 "--prompts", spec, "--max-new-tokens", "24", "--gamma", "3", "--windows", f"{tmp_path / 'r1.pt'}:3",
+                 "--json", out)
     assert r.code == 0, r.err
     assert "tokens/target call" in r.out and "vs first head" in r.out
     res = json.loads(out.read_text())
     rows = {(row["set"], row["head"]): row for row in res["rows"]}
     labels = [str(tmp_path / "h0"), str(tmp_path / "h1" / "head.safetensors")]
-    assert {s for s, _ in rows} == {*prompt_sets(spec), "all"} and res["answers"] == 5
+    assert {s for s, _ in rows} == {*prompt_sets(spec), "all", "r1.pt"} and res["answers"] == 5
+    for head, label in zip(heads, labels, strict=True):  # windows 0, 2 and 4, evenly spaced; in no "all" row
+        picked = windows[[0, 2, 4]]
+        with torch.no_grad():
+            states = target.model(picked).last_hidden_state
+        acc = chain_acceptance(head, picked, states, target.lm_head(states).argmax(-1), 6, 3)
+        assert rows[("r1.pt", label)]["rounds"] == acc["rounds"] == 3 * (20 - 3 - 1 - 6)  # starts 6..15 per window
+        assert rows[("r1.pt", label)]["tokens_per_call"] == pytest.approx(acc["tokens_per_call"], abs=1e-5)
     for head, label in zip(heads, labels, strict=True):
         want = {name: _expected(target, tok, head, part, 24, 3) for name, part in prompt_sets(spec).items()}
         for name, (tpc, n) in want.items():
@@ -124,3 +135,11 @@ def test_the_bench_names_a_missing_head_a_repeated_head_and_a_missing_recipe(tmp
     (tmp_path / "h" / "head.safetensors").write_bytes(b"")
     r = run_main("bench", "head", tmp_path / "h", "--recipe", recipe, "--prompts", "poems:3")
     assert r.clean_error and "--prompts 'poems:3'" in r.err  # refused before the (here missing) target loads
+    r = run_main("bench", "head", tmp_path / "h", "--recipe", recipe, "--windows", tmp_path / "r1.pt")
+    assert r.clean_error and f"--windows {tmp_path / 'r1.pt'}: no such file" in r.err
+    torch.save({"key": {"prompt_len": 2}, "app": torch.zeros(3, 8, dtype=torch.int32)}, tmp_path / "r1.pt")
+    r = run_main("bench", "head", tmp_path / "h", "--recipe", recipe, "--windows", f"{tmp_path / 'r1.pt'}:0")
+    assert r.clean_error and "give FILE or FILE:N with N >= 1" in r.err
+    r = run_main("bench", "head", tmp_path / "h", "--recipe", recipe, "--windows", tmp_path / "r1.pt",
+                 "--windows", f"{tmp_path / 'r1.pt'}:2")
+    assert r.clean_error and "the same cache is given twice" in r.err
