@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from toolchain.bench.prompts import encode, load_prompts
+from toolchain.bench.prompts import BenchError, encode, load_prompts
 from toolchain.train.draft import teacher_states
 from toolchain.train.head import HEAD_FILE, cached_answers, draft_chains, drafts_accepted
 
@@ -66,7 +66,7 @@ def window_answers(spec: str) -> tuple[str, list[tuple[torch.Tensor, int]]]:
     if not count.isdigit():
         path, count = spec, "64"
     if int(count) < 1:
-        raise ValueError(f"--windows {spec}: give FILE or FILE:N with N >= 1 windows")
+        raise BenchError(f"--windows {spec}: give FILE or FILE:N with N >= 1 windows")
     windows, plen = cached_answers(Path(path), "--windows")
     picks = torch.linspace(0, len(windows) - 1, min(int(count), len(windows))).round().long().unique()
     return Path(path).name, [(windows[i : i + 1], plen) for i in picks.tolist()]
@@ -83,10 +83,12 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
     per: dict[tuple[str, str], list[dict[str, Any]]] = {}
     sets = prompt_sets(spec)
     answers = 0
-    answer_sets = {name: lambda part=part: target_answers(target, tok, part, max_new) for name, part in sets.items()}
-    answer_sets.update({name: lambda seqs=seqs: seqs for name, seqs in (windows or {}).items()})
-    for name, answers_of in answer_sets.items():
-        seqs = answers_of()
+
+    def answer_sets():  # the prompt sets' answers generated one set at a time, then the cached windows
+        yield from ((name, target_answers(target, tok, part, max_new)) for name, part in sets.items())
+        yield from (windows or {}).items()
+
+    for name, seqs in answer_sets():
         answers += len(seqs) if name in sets else 0
         progress(f"{name}: {len(seqs)} answers, {sum(s.shape[1] - p for s, p in seqs)} answer tokens")
         for seq, plen in seqs:

@@ -468,10 +468,7 @@ def bench_head(
         raise MobcError(f"no head at {', '.join(missing)}: give head.safetensors files or the folders "
                         "`mobc train draft --kind head` wrote")
     load_prompts(prompts)  # a bad --prompts or --windows is refused before the target loads
-    try:
-        window_sets = dict(window_answers(w) for w in windows)
-    except ValueError as exc:
-        raise MobcError(str(exc)) from None
+    window_sets = dict(window_answers(w) for w in windows)
     if len(window_sets) < len(windows):
         raise MobcError("--windows: the same cache is given twice; give each file once")
     target, tok, name, _ = load_target(recipe)
