@@ -142,9 +142,9 @@ def target_continuations(teacher: Any, tokens: np.ndarray, n_windows: int, seq_l
 
 @torch.no_grad()
 def teacher_states(teacher: Any, windows: torch.Tensor, seconds: float, batch: int,
-                   log: Callable[[str], None] = print, prefix: int | None = None, precision: str = "fp32"
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Final normalized hidden states [n, seq, C] (fp32) for as many windows as fit the time budget.
+                   log: Callable[[str], None] = print, prefix: int | None = None, precision: str = "fp32",
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Final normalized hidden states [n, seq, C] (kept as `dtype`) for as many windows as fit the time budget.
 
     With `prefix` = k (a draft made of the first k layers), also returns the unit-normalized
     hidden state after layer k-1, i.e. the draft's lens input, from the same pass (saves
@@ -165,7 +165,7 @@ def teacher_states(teacher: Any, windows: torch.Tensor, seconds: float, batch: i
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
                 h = teacher.model(windows[i : i + batch]).last_hidden_state.float()
             if out is None:  # filled in place: a list of batches and their cat would hold the states twice
-                out = torch.empty(len(windows), windows.shape[1], h.shape[-1])
+                out = torch.empty(len(windows), windows.shape[1], h.shape[-1], dtype=dtype)
             out[i : i + len(h)] = h
             done = i + len(h)
             if seen:
@@ -176,7 +176,7 @@ def teacher_states(teacher: Any, windows: torch.Tensor, seconds: float, batch: i
         if hook is not None:
             hook.remove()
     log(f"teacher pass: {done} windows ({done * windows.shape[1]:,} tokens) in {time.perf_counter() - t0:.0f} s")
-    states = out[:done] if out is not None else torch.zeros(0, windows.shape[1], teacher.config.hidden_size)
+    states = out[:done] if out is not None else torch.zeros(0, windows.shape[1], teacher.config.hidden_size, dtype=dtype)
     return states, (torch.cat(feats) if feats else None)
 
 

@@ -372,12 +372,16 @@ def _read_cache(path: Path, option: str) -> dict[str, Any]:
 
 def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Callable[[str], None],
                    compute: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The windows that have teacher states and those states (fp32), in `windows`' order. `compute(w)` runs the
+    """The windows that have teacher states and those states, in `windows`' order. `compute(w)` runs the
     pass over windows `w` and may stop after a prefix of them when its time runs out. With `cfg.teacher_cache`
     the file's states are read for every window it holds (this target, this precision) and the pass runs only
     over the others; the file then keeps both (fp16, ~0.3 MB per 256-token window at 576 features), so a run
-    that adds a round of answers pays the pass for that round alone. A file for another target or precision,
-    or not written by this command, is refused, not overwritten."""
+    that adds a round of answers pays the pass for that round alone. With a cache the states come back as the
+    file keeps them (fp16; new rows rounded as written, and `compute` may already give fp16): the training
+    widens each batch, so a run over 8k windows holds 2.4 GB of states, not a 4.9 GB fp32 copy beside the
+    file's, and the run that writes the file trains on exactly what every later run reading it does. Without
+    a cache they are `compute`'s own. A file for another target or precision, or not written by this
+    command, is refused, not overwritten."""
     if not cfg.teacher_cache:
         states = compute(windows)
         return windows[: len(states)], states
@@ -401,7 +405,9 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
     missing = [i for i, j in enumerate(found) if j is None]
     if not missing:
         log(f"teacher states read from {path} ({len(windows)} windows; teacher pass skipped)")
-        return windows, saved["states"][torch.tensor(found, dtype=torch.long)].float()
+        if found == list(range(len(saved["states"]))):  # the file's own order: its tensor, no copy
+            return windows, saved["states"]
+        return windows, saved["states"][torch.tensor(found, dtype=torch.long)]
     if len(missing) < len(windows):
         log(f"teacher states read from {path} for {len(windows) - len(missing)} of {len(windows)} windows; "
             f"the pass runs over the other {len(missing)}")
@@ -411,14 +417,14 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
     keep.sort()  # the run's own order: with the same data, the same rows at the same steps as without a cache
     width = new.shape[-1]
     saved_states, new_half = saved["states"].reshape(-1, windows.shape[1], width), new.half()
-    if len(keep) == len(done):  # nothing read: the pass's rows are the run's, in order (no second fp32 copy)
-        states = new
+    del new  # an fp32 pass's states: the rows kept are their fp16 rounding, as written
+    if len(keep) == len(done):  # nothing read: the pass's rows are the run's, in order (no copy of an fp16 pass)
+        states = new_half
     else:
         at = {i: n for n, i in enumerate(done)}
-        states = torch.empty(len(keep), windows.shape[1], width)
+        states = torch.empty(len(keep), windows.shape[1], width, dtype=torch.half)
         for r, i in enumerate(keep):
-            states[r] = new[at[i]] if found[i] is None else saved_states[found[i]].float()
-    del new
+            states[r] = new_half[at[i]] if found[i] is None else saved_states[found[i]]
     with atomic_file(path) as tmp:  # a run stopped mid-write leaves no cache that looks complete
         torch.save({"key": key, "windows": torch.cat([saved["windows"], ids[done]]),
                     "states": torch.cat([saved_states, new_half]) if len(saved_states) else new_half}, tmp)
@@ -590,8 +596,9 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     # the teacher pass's share covers round 0's windows at ~100 minutes; extra rounds' windows need it to grow
     share = (cfg.teacher_share_cached if read else cfg.teacher_share) * len(windows) / (len(windows) - len(extra))
     share = min(share, 0.4)
+    keep_as = torch.half if cfg.teacher_cache else torch.float32  # what cached_teacher hands back either way
     windows, states = cached_teacher(cfg, target_id, windows, log, lambda w: teacher_states(
-        target, w, budget * share, cfg.batch, log, precision=cfg.teacher_precision)[0])
+        target, w, budget * share, cfg.batch, log, precision=cfg.teacher_precision, dtype=keep_as)[0])
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
     held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]
                    for k, v in held_sets.items() if len(v)}
@@ -607,7 +614,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
 
     def step_loss() -> torch.Tensor:
         rows = torch.randint(len(windows), (cfg.batch,), generator=gen_rng)
-        return training_loss(head, windows[rows], states[rows], cfg, end)
+        return training_loss(head, windows[rows], states[rows].float(), cfg, end)  # fp16 when read from a cache
 
     if cfg.steps is not None:
         left, lr_at = float("inf"), cosine_by_steps(cfg.lr, cfg.steps, floor=cfg.lr_floor)

@@ -54,6 +54,8 @@ def test_a_bf16_teacher_pass_runs_in_bf16_and_stays_close_to_fp32():
     assert bf16.dtype == torch.float32 and bf16.shape == fp32.shape  # handed back in fp32 either way
     err = (bf16 - fp32).norm() / fp32.norm()
     assert 0 < err < 0.05, err  # bf16 matmuls (not the fp32 pass again), the same states to ~1%
+    kept, _ = teacher_states(teacher, windows, float("inf"), 2, log=lambda m: None, dtype=torch.half)
+    assert kept.dtype == torch.float16 and torch.equal(kept, fp32.half())  # kept as asked, the same pass
 
 
 def held_out_kl(readout: _Readout, windows: torch.Tensor, states: torch.Tensor) -> float:
