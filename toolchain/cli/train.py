@@ -69,8 +69,9 @@ def train_draft(
                                           "training windows in fp32 or bf16 (autocast; 1.38x faster here, 0.994 "
                                           "argmax agreement; the held-out sets stay fp32)"),
     teacher_cache: Path | None = typer.Option(None, "--teacher-cache", help="head: local file keeping the teacher "
-                                              "pass's states (fp16, ~0.3 MB per window); a rerun reads those of the "
-                                              "windows it holds and runs the pass over the others only"),
+                                              "pass's states (fp16, ~0.3 MB per window; the run holds and trains on "
+                                              "those, half the memory of fp32); a rerun reads those of the windows it "
+                                              "holds and runs the pass over the others only"),
     until_end_of_turn: bool = typer.Option(False, "--until-end-of-turn", help="head: train each answer only up to "
                                            "where the target itself would end it (its greedy next token is "
                                            "end-of-turn); the answers are generated past that point"),
