@@ -77,6 +77,9 @@ def train_draft(
                                            "end-of-turn); the answers are generated past that point"),
     weight_decay: float | None = typer.Option(None, "--weight-decay", help="head: AdamW's decoupled weight decay "
                                               "on the head's matrices (default 0: none)"),
+    extra_held_out: int | None = typer.Option(None, "--extra-held-out", help="head: of the --onpolicy-extra "
+                                              "answers, hold out N evenly spaced windows (at most a quarter; default "
+                                              "64) for the report's held-out set of the extra rounds; 0 trains on all"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""
@@ -89,7 +92,7 @@ def train_draft(
                     self_chat_openers=self_chat_openers, answer_batch=answer_batch, precision=precision,
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
-                    until_end_of_turn=until_end_of_turn, weight_decay=weight_decay)
+                    until_end_of_turn=until_end_of_turn, weight_decay=weight_decay, extra_held_out=extra_held_out)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -97,6 +100,8 @@ def train_draft(
         raise MobcError("--steps: a fixed step count is for --kind head; --kind layers trains for --minutes")
     if weight_decay is not None:
         raise MobcError("--weight-decay: it is for --kind head; --kind layers trains without decay")
+    if extra_held_out is not None:
+        raise MobcError("--extra-held-out: it is for --kind head with --onpolicy-extra")
     from toolchain.train.draft import DistillConfig
     from toolchain.train.draft import train_draft as run_train
 
@@ -124,12 +129,12 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 answer_batch: int | None, precision: str, generate_only: bool, onpolicy_round: int,
                 onpolicy_extra: list[Path], unroll_mode: str, teacher_precision: str,
                 teacher_cache: Path | None, until_end_of_turn: bool = False,
-                weight_decay: float | None = None) -> None:
+                weight_decay: float | None = None, extra_held_out: int | None = None) -> None:
     from toolchain.train.head import HEAD_FILE, HeadConfig, generate_onpolicy, held_out_table, train_head
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch,
-             "weight_decay": weight_decay}
+             "weight_decay": weight_decay, "extra_held_out": extra_held_out}
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
@@ -164,6 +169,9 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
         raise MobcError(f"--unroll {cfg.unroll}: give 1 to 4 passes (each costs a full pass over the batch)")
     if not 0.0 <= cfg.weight_decay < 1.0:
         raise MobcError(f"--weight-decay {cfg.weight_decay}: give a decay from 0 (none) to below 1 (0.01-0.1 is usual)")
+    if extra_held_out is not None and (extra_held_out < 0 or not onpolicy_extra):
+        raise MobcError(f"--extra-held-out {extra_held_out}: give N >= 0 windows, with the --onpolicy-extra rounds "
+                        "they are held out of")
     if cfg.self_chat < 0:
         raise MobcError(f"--self-chat {cfg.self_chat}: give a count >= 0")
     if generate_only:

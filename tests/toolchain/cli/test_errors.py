@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from tests.cli_main import run_main
+from toolchain.errors import MobcError
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 
@@ -154,7 +155,10 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--steps", "100", "--minutes", "5"), "--steps 100: give N >= 1 training steps, without --minutes"),
                         (("--steps", "0"), "--steps 0: give N >= 1"),
                         (("--weight-decay", "-0.1"), "--weight-decay -0.1: give a decay from 0"),
-                        (("--weight-decay", "1.5"), "--weight-decay 1.5: give a decay from 0")):
+                        (("--weight-decay", "1.5"), "--weight-decay 1.5: give a decay from 0"),
+                        (("--extra-held-out", "8"), "--extra-held-out 8: give N >= 0 windows, with the --onpolicy-extra"),
+                        (("--extra-held-out", "-1", "--onpolicy-extra", RECIPES / "smollm2-135m.yaml"),
+                         "--extra-held-out -1: give N >= 0")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)
         assert r.clean_error, r.err
         assert named in r.err
@@ -165,5 +169,23 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     assert r.clean_error and "--steps: a fixed step count is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--weight-decay", "0.1")
     assert r.clean_error and "--weight-decay: it is for --kind head" in r.err and not out.exists()
+    r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--extra-held-out", "4")
+    assert r.clean_error and "--extra-held-out: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--generate-only")
     assert r.clean_error and "--onpolicy-cache FILE" in r.err  # generation alone writes no draft: no --out needed
+
+
+def test_extra_held_out_reaches_the_head_training(tmp_path, monkeypatch):
+    """--extra-held-out N is the HeadConfig the training runs with (default 64 without it)."""
+    seen = []
+
+    def stop(_recipe, _out, cfg, log=None):
+        seen.append(cfg)
+        raise MobcError("stopped before any work")
+
+    monkeypatch.setattr("toolchain.train.head.train_head", stop)
+    extra = ("--onpolicy-extra", RECIPES / "smollm2-135m.yaml")  # a file that exists; never read here
+    for args in ((*extra, "--extra-held-out", "8"), (*extra, "--extra-held-out", "0"), extra):
+        r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", tmp_path / "h", *args)
+        assert r.clean_error and "stopped before any work" in r.err, r.err
+    assert [cfg.extra_held_out for cfg in seen] == [8, 0, 64]
