@@ -113,6 +113,12 @@ class EndOfTurn(NamedTuple):
     first: int
 
 
+def vocab_coverage(greedy: torch.Tensor, vocab_ids: torch.Tensor, prompt_len: int) -> float:
+    """The share of the answer tokens (positions prompt_len.. of each window) in the draft vocabulary; greedy
+    [B,T] is the target's next token after each position, so the answer's are columns prompt_len-1 .. T-2."""
+    return float(torch.isin(greedy[:, prompt_len - 1 : -1], vocab_ids).float().mean())
+
+
 def rows_until_end(is_end: torch.Tensor, first: int) -> torch.Tensor:
     """[B,T] bool: the rows up to and including the first one from `first` on where `is_end` [B,T] holds (the
     target's greedy next token is end-of-turn: a run would have stopped there); every row if none does."""
@@ -606,7 +612,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     vocab_ids = head.vocab_ids
     e_all = target.get_output_embeddings().weight.detach()
     t_held = F.linear(s_held, e_all).argmax(-1)  # the target's greedy next token after each position
-    coverage = float(torch.isin(t_held[:, cfg.prompt_len:], vocab_ids).float().mean())
+    coverage = vocab_coverage(t_held, vocab_ids, cfg.prompt_len)
     log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.3f} of the target's held-out greedy tokens")
 
     gen_rng = torch.Generator().manual_seed(cfg.seed)

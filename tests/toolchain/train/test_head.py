@@ -32,9 +32,15 @@ from toolchain.train.head import (
     rows_until_end,
     train_head,
     training_loss,
+    vocab_coverage,
 )
 from toolchain.train.head_model import DraftHead
 from toolchain.train.onpolicy import self_chat_requests
+
+
+def test_vocab_coverage_counts_the_answer_tokens_of_each_window():
+    greedy = torch.tensor([[9, 9, 1, 2, 3, 9], [9, 1, 4, 2, 9, 9]])  # after positions 0..5; answers at 3, 4, 5
+    assert vocab_coverage(greedy, torch.tensor([1, 2, 3]), prompt_len=3) == pytest.approx(4 / 6)  # 1 2 3 | 4 2 9
 
 
 def test_draft_vocabulary_keeps_the_most_frequent_tokens_and_eos():
