@@ -411,9 +411,7 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
     missing = [i for i, j in enumerate(found) if j is None]
     if not missing:
         log(f"teacher states read from {path} ({len(windows)} windows; teacher pass skipped)")
-        if found == list(range(len(saved["states"]))):  # the file's own order: its tensor, no copy
-            return windows, saved["states"]
-        return windows, saved["states"][torch.tensor(found, dtype=torch.long)]
+        return windows, gather_rows_in_place(saved["states"], found)  # the file's tensor, in the run's order
     if len(missing) < len(windows):
         log(f"teacher states read from {path} for {len(windows) - len(missing)} of {len(windows)} windows; "
             f"the pass runs over the other {len(missing)}")
@@ -436,6 +434,30 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
                     "states": torch.cat([saved_states, new_half]) if len(saved_states) else new_half}, tmp)
     log(f"teacher states written to {path} ({len(saved['windows']) + len(done)} windows, {len(done)} new)")
     return windows[keep], states
+
+
+def gather_rows_in_place(t: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """t[order] (distinct rows of t) made in t's own memory, one row of scratch: a teacher cache's states are
+    GBs, and t[order] would hold them twice. The rows of t outside `order` end up past the returned view."""
+    n = len(t)
+    if order == list(range(n)):
+        return t
+    used = set(order)
+    perm = [*order, *(i for i in range(n) if i not in used)]  # new row r = old row perm[r], a permutation
+    done = [False] * n
+    for start in range(n):  # each cycle of perm: a row is read before it is written, but for the first, kept aside
+        if done[start]:
+            continue
+        first, r = t[start].clone(), start
+        while True:
+            done[r] = True
+            src = perm[r]
+            if src == start:
+                t[r] = first
+                break
+            t[r] = t[src]
+            r = src
+    return t[: len(order)]
 
 
 def round0_windows(data: dict[str, Any]) -> list[torch.Tensor]:

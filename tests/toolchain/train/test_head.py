@@ -23,6 +23,7 @@ from toolchain.train.head import (
     draft_vocabulary,
     end_of_turn,
     extra_onpolicy,
+    gather_rows_in_place,
     generate_onpolicy,
     head_losses,
     held_out_sample,
@@ -177,6 +178,16 @@ def test_a_new_teacher_cache_keeps_the_passs_states_without_a_second_copy(tmp_pa
     kept, states = cached_teacher(cfg, "tiny", windows, lambda _m: None, lambda w: 1 / 0)  # all read back
     assert torch.equal(states, torch.load(tmp_path / "t.pt", weights_only=True)["states"])  # the file's fp16 rows
     assert torch.equal(states, made) and torch.equal(kept, windows)
+
+def test_rows_are_gathered_in_the_tensors_own_memory():
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((1, 1), (7, 7), (9, 5), (30, 12)):
+        t = torch.randn(n, 3, 2, generator=g).half()
+        order = torch.randperm(n, generator=g)[:k].tolist()
+        want, ptr = t[order].clone(), t.data_ptr()
+        got = gather_rows_in_place(t, order)
+        assert torch.equal(got, want) and got.data_ptr() == ptr  # the rows asked for, no second tensor
+
 
 def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
     junk = tmp_path / "notes.pt"
