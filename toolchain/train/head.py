@@ -113,6 +113,16 @@ class EndOfTurn(NamedTuple):
     first: int
 
 
+@torch.no_grad()
+def greedy_tokens(states: torch.Tensor, lm_head: torch.Tensor, rows: int = 4) -> torch.Tensor:
+    """The target's greedy next token after each position [B,T], from its final states [B,T,C], `rows` windows
+    at a time: the logits of 64 256-token windows over a 49k vocabulary at once are 3.2 GB."""
+    out = torch.empty(states.shape[:2], dtype=torch.long)
+    for i in range(0, len(states), rows):
+        out[i : i + rows] = F.linear(states[i : i + rows], lm_head).argmax(-1)
+    return out
+
+
 def vocab_coverage(greedy: torch.Tensor, vocab_ids: torch.Tensor, prompt_len: int) -> float:
     """The share of the answer tokens (positions prompt_len.. of each window) in the draft vocabulary; greedy
     [B,T] is the target's next token after each position, so the answer's are columns prompt_len-1 .. T-2."""
@@ -633,7 +643,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     head = new_head(target, tok, windows, cfg.draft_vocab)
     vocab_ids = head.vocab_ids
     e_all = target.get_output_embeddings().weight.detach()
-    t_held = F.linear(s_held, e_all).argmax(-1)  # the target's greedy next token after each position
+    t_held = greedy_tokens(s_held, e_all)  # the target's greedy next token after each position
     coverage = vocab_coverage(t_held, vocab_ids, cfg.prompt_len)
     log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.3f} of the target's held-out greedy tokens")
 
@@ -658,7 +668,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     accepts = {"held_out": chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)}
     eos = getattr(tok, "eos_token_id", None)
     for key, st in held_states.items():  # a set is absent when none of its prompts fits the window
-        greedy = F.linear(st, e_all).argmax(-1)
+        greedy = greedy_tokens(st, e_all)
         drafts = draft_chains(head, held_sets[key], st, cfg.gamma)[0]  # drafted once, counted both ways
         accepts[f"held_out_{key}"] = drafts_accepted(drafts, greedy, cfg.prompt_len, cfg.gamma)
         if eos is not None:  # the answers run past the target's end-of-turn; a run decodes only up to it

@@ -25,6 +25,7 @@ from toolchain.train.head import (
     extra_onpolicy,
     gather_rows_in_place,
     generate_onpolicy,
+    greedy_tokens,
     head_losses,
     held_out_sample,
     held_out_table,
@@ -37,6 +38,15 @@ from toolchain.train.head import (
 )
 from toolchain.train.head_model import DraftHead
 from toolchain.train.onpolicy import self_chat_requests
+
+
+def test_greedy_tokens_in_chunks_are_the_argmax_of_the_whole_batch():
+    g = torch.Generator().manual_seed(0)
+    states, lm_head = torch.randn(5, 6, 8, generator=g), torch.randn(40, 8, generator=g)
+    want = (states @ lm_head.T).argmax(-1)
+    for rows in (1, 2, 4, 8):  # chunks that divide the batch, leave a remainder, and exceed it
+        assert torch.equal(greedy_tokens(states, lm_head, rows), want)
+    assert greedy_tokens(states[:0], lm_head).shape == (0, 6)
 
 
 def test_vocab_coverage_counts_the_answer_tokens_of_each_window():
