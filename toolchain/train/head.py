@@ -447,12 +447,15 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
 
 
 def gather_rows_in_place(t: torch.Tensor, order: list[int]) -> torch.Tensor:
-    """t[order] (distinct rows of t) made in t's own memory, one row of scratch: a teacher cache's states are
-    GBs, and t[order] would hold them twice. The rows of t outside `order` end up past the returned view."""
+    """t[order] made in t's own memory, one row of scratch: a teacher cache's states are GBs, and t[order] would
+    hold them twice. The rows of t outside `order` end up past the returned view. A row asked for twice (a run
+    holding the same window twice) needs a second copy of it: then this is t[order]."""
     n = len(t)
     if order == list(range(n)):
         return t
     used = set(order)
+    if len(used) < len(order):
+        return t[order]
     perm = [*order, *(i for i in range(n) if i not in used)]  # new row r = old row perm[r], a permutation
     done = [False] * n
     for start in range(n):  # each cycle of perm: a row is read before it is written, but for the first, kept aside

@@ -197,6 +197,8 @@ def test_rows_are_gathered_in_the_tensors_own_memory():
         want, ptr = t[order].clone(), t.data_ptr()
         got = gather_rows_in_place(t, order)
         assert torch.equal(got, want) and got.data_ptr() == ptr  # the rows asked for, no second tensor
+    t = torch.randn(4, 3, generator=g)
+    assert torch.equal(gather_rows_in_place(t.clone(), [2, 0, 2, 3, 1]), t[[2, 0, 2, 3, 1]])  # a row asked twice
 
 
 def test_a_file_that_is_no_onpolicy_cache_is_refused_by_name(tmp_path):
