@@ -20,7 +20,7 @@ import torch
 
 from toolchain.bench.prompts import BenchError, encode, load_prompts
 from toolchain.train.draft import teacher_states
-from toolchain.train.head import HEAD_FILE, cached_answers, draft_chains, drafts_accepted
+from toolchain.train.head import HEAD_FILE, cached_answers, draft_chains, drafts_accepted, greedy_tokens
 
 
 def prompt_sets(spec: str) -> dict[str, str]:
@@ -93,7 +93,7 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
         progress(f"{name}: {len(seqs)} answers, {sum(s.shape[1] - p for s, p in seqs)} answer tokens")
         for seq, plen in seqs:
             states, _ = teacher_states(target, seq, float("inf"), 1, lambda _m: None)
-            greedy = torch.nn.functional.linear(states, lm_head).argmax(-1)  # the target's token after each row
+            greedy = greedy_tokens(states, lm_head)  # the target's token after each row
             for label, head in heads.items():
                 drafts = draft_chains(head, seq, states, gamma)[0]
                 # the first chain starts at the answer's first token (row plen): the target's prefill gives that

@@ -432,18 +432,13 @@ def cached_teacher(cfg: HeadConfig, target: str, windows: torch.Tensor, log: Cal
     width = new.shape[-1]
     saved_states, new_half = saved["states"].reshape(-1, windows.shape[1], width), new.half()
     del new  # an fp32 pass's states: the rows kept are their fp16 rounding, as written
-    if len(keep) == len(done):  # nothing read: the pass's rows are the run's, in order (no copy of an fp16 pass)
-        states = new_half
-    else:
-        at = {i: n for n, i in enumerate(done)}
-        states = torch.empty(len(keep), windows.shape[1], width, dtype=torch.half)
-        for r, i in enumerate(keep):
-            states[r] = new_half[at[i]] if found[i] is None else saved_states[found[i]]
+    states = torch.cat([saved_states, new_half]) if len(saved_states) else new_half  # the file's rows
     with atomic_file(path) as tmp:  # a run stopped mid-write leaves no cache that looks complete
-        torch.save({"key": key, "windows": torch.cat([saved["windows"], ids[done]]),
-                    "states": torch.cat([saved_states, new_half]) if len(saved_states) else new_half}, tmp)
+        torch.save({"key": key, "windows": torch.cat([saved["windows"], ids[done]]), "states": states}, tmp)
     log(f"teacher states written to {path} ({len(saved['windows']) + len(done)} windows, {len(done)} new)")
-    return windows[keep], states
+    at = {i: len(saved_states) + n for n, i in enumerate(done)}  # where each new row sits in the file
+    # the file's tensor put in the run's order (nothing read: the pass's own rows, in order, no copy)
+    return windows[keep], gather_rows_in_place(states, [at[i] if found[i] is None else found[i] for i in keep])
 
 
 def gather_rows_in_place(t: torch.Tensor, order: list[int]) -> torch.Tensor:
