@@ -29,17 +29,21 @@ def target_hidden(target_dir: Path, tokens: list[int]):
     return np.stack(rows)
 
 
-def head_weights(hf_dir: Path, out: Path, seed: int = 0) -> Path:
-    """An untrained head (the target's last layer, random fc) over half the vocabulary."""
+def head_weights(hf_dir: Path, out: Path, seed: int = 0, layers: int = 1) -> Path:
+    """An untrained head (the target's last layer, random fc) over half the vocabulary; with more layers,
+    each after the first is that layer perturbed (so a graph that drops or reorders one is caught)."""
     from transformers import AutoModelForCausalLM
 
     from toolchain.train.head_model import DraftHead, save_head
 
     torch.manual_seed(seed)
     target = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
-    head = DraftHead(target, torch.arange(0, target.config.vocab_size, 2), init_layer=-1)
+    head = DraftHead(target, torch.arange(0, target.config.vocab_size, 2), init_layer=-1, layers=layers)
     with torch.no_grad():
         head.fc.weight.normal_(0, 0.05)
+        for layer in head.layers[1:]:
+            for p in layer.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_head(head, out)
     return out

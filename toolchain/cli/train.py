@@ -80,6 +80,8 @@ def train_draft(
     extra_held_out: int | None = typer.Option(None, "--extra-held-out", help="head: of the --onpolicy-extra "
                                               "answers, hold out N evenly spaced windows (at most a quarter; default "
                                               "64) for the report's held-out set of the extra rounds; 0 trains on all"),
+    head_layers: int | None = typer.Option(None, "--head-layers", help="head: decoder layers of the target's class "
+                                           "in the head (default 1; each costs what one of the target's layers does)"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""
@@ -92,7 +94,8 @@ def train_draft(
                     self_chat_openers=self_chat_openers, answer_batch=answer_batch, precision=precision,
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
-                    until_end_of_turn=until_end_of_turn, weight_decay=weight_decay, extra_held_out=extra_held_out)
+                    until_end_of_turn=until_end_of_turn, weight_decay=weight_decay, extra_held_out=extra_held_out,
+                    head_layers=head_layers)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -102,6 +105,8 @@ def train_draft(
         raise MobcError("--weight-decay: it is for --kind head; --kind layers trains without decay")
     if extra_held_out is not None:
         raise MobcError("--extra-held-out: it is for --kind head with --onpolicy-extra")
+    if head_layers is not None:
+        raise MobcError("--head-layers: it is for --kind head; --kind layers takes --layers")
     from toolchain.train.draft import DistillConfig
     from toolchain.train.draft import train_draft as run_train
 
@@ -129,12 +134,13 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 answer_batch: int | None, precision: str, generate_only: bool, onpolicy_round: int,
                 onpolicy_extra: list[Path], unroll_mode: str, teacher_precision: str,
                 teacher_cache: Path | None, until_end_of_turn: bool = False,
-                weight_decay: float | None = None, extra_held_out: int | None = None) -> None:
+                weight_decay: float | None = None, extra_held_out: int | None = None,
+                head_layers: int | None = None) -> None:
     from toolchain.train.head import HEAD_FILE, HeadConfig, generate_onpolicy, held_out_table, train_head
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch,
-             "weight_decay": weight_decay, "extra_held_out": extra_held_out}
+             "weight_decay": weight_decay, "extra_held_out": extra_held_out, "head_layers": head_layers}
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
@@ -172,6 +178,10 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
     if extra_held_out is not None and (extra_held_out < 0 or not onpolicy_extra):
         raise MobcError(f"--extra-held-out {extra_held_out}: give N >= 0 windows, with the --onpolicy-extra rounds "
                         "they are held out of")
+    if not 1 <= cfg.head_layers <= 4:
+        raise MobcError(f"--head-layers {cfg.head_layers}: give 1 to 4 layers (a head is a small fraction of the target)")
+    if head_layers is not None and generate_only:
+        raise MobcError("--head-layers: it shapes the trained head; --generate-only trains nothing")
     if cfg.self_chat < 0:
         raise MobcError(f"--self-chat {cfg.self_chat}: give a count >= 0")
     if generate_only:

@@ -33,7 +33,7 @@ from toolchain.artifact.layout import StepLayout
 from toolchain.compile.capture import ATTENTION_NAME
 from toolchain.compile.export import OPSET, ExportError, name_initializers, name_nodes
 from toolchain.errors import MobcError
-from toolchain.train.head_model import DraftHead, load_head_tensors
+from toolchain.train.head_model import DraftHead, load_head_tensors, saved_layers
 
 FEATURES = "features"
 HIDDEN = "hidden"
@@ -54,7 +54,10 @@ def load_head(target: Any, weights: Path) -> DraftHead:
     tensors = load_file(str(weights))
     if "vocab_ids" not in tensors:
         raise HeadError(f"{weights} has no vocab_ids tensor: not a file `mobc train draft --kind head` wrote")
-    head = DraftHead(target, tensors.pop("vocab_ids").long(), init_layer=None)
+    layers = saved_layers(tensors)
+    if layers == 0:
+        raise HeadError(f"{weights} holds no head layer tensors: not a file `mobc train draft --kind head` wrote")
+    head = DraftHead(target, tensors.pop("vocab_ids").long(), init_layer=None, layers=layers)
     try:
         load_head_tensors(head, tensors)
     except RuntimeError as exc:
@@ -78,22 +81,23 @@ def io_names(layout: StepLayout) -> tuple[list[str], list[str]]:
 
 
 class HeadStepGraph(nn.Module):
-    """forward(input_ids, features, mask, cos, sin, past_key_0, past_value_0) -> (logits, hidden, K, V)."""
+    """forward(input_ids, features, mask, cos, sin, past_key_0, past_value_0, ...) -> (logits, hidden, K_0, V_0, ...)."""
 
     def __init__(self, head: DraftHead, layout: StepLayout):
         super().__init__()
         self.head, self.layout = head, layout
         head.config._attn_implementation = ATTENTION_NAME
 
-    def forward(self, input_ids, features, mask, cos, sin, past_key, past_value):
+    def forward(self, input_ids, features, mask, cos, sin, *past):
         lay = self.layout
         x = self.head.mix(features, input_ids.long())
         rope = (torch.cat([cos, cos], -1).reshape(1, lay.width, lay.head_dim),
                 torch.cat([sin, sin], -1).reshape(1, lay.width, lay.head_dim))
         sink: list = []
-        out = self.head.layer(x, attention_mask=mask, position_embeddings=rope, mobc_kv=(past_key, past_value, sink))
-        g = out[0] if isinstance(out, tuple) else out
-        return self.head.logits(g), g, sink[0][0], sink[0][1]
+        for i, layer in enumerate(self.head.layers):
+            out = layer(x, attention_mask=mask, position_embeddings=rope, mobc_kv=(past[2 * i], past[2 * i + 1], sink))
+            x = out[0] if isinstance(out, tuple) else out
+        return (self.head.logits(x), x, *(t for kv in sink for t in kv))
 
 
 def example_feeds(layout: StepLayout, seed: int = 0) -> dict[str, np.ndarray]:

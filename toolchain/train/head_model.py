@@ -3,7 +3,7 @@ trains and what the head's step graphs are exported and verified from.
 
     n_in = final_norm(features)                    the target's own final RMSNorm (frozen)
     x    = fc([n_in ; embed(token)])               2C -> C, trained
-    g    = decoder_layer(x)                        one layer of the target's own class, trained
+    g    = decoder_layers(x)                       one layer (or a few) of the target's own class, trained
     logits = final_norm(g) @ E[draft_vocab]^T      the target's lm_head rows (frozen)
 
 `features` is the target's residual stream entering its final norm at the previous position
@@ -23,27 +23,30 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def head_config(target_config: Any) -> Any:
-    """The target's config with one layer of full attention (the head's own layer)."""
+def head_config(target_config: Any, layers: int = 1) -> Any:
+    """The target's config with `layers` layers of full attention (the head's own)."""
     cfg = copy.deepcopy(target_config)
-    cfg.num_hidden_layers = 1
+    cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
-        cfg.layer_types = ["full_attention"]
+        cfg.layer_types = ["full_attention"] * layers
     return cfg
 
 
 class DraftHead(nn.Module):
-    def __init__(self, target: Any, vocab_ids: torch.Tensor, init_layer: int | None = -1):
+    def __init__(self, target: Any, vocab_ids: torch.Tensor, init_layer: int | None = -1, layers: int = 1):
         """target: the HF causal LM (weights read, never trained); vocab_ids [V'] the draft vocabulary;
-        init_layer: the target layer the head's layer starts from (None: fresh init)."""
+        init_layer: the target layer the head's layers start from (None: fresh init); layers: how many."""
         super().__init__()
-        cfg = head_config(target.config)
+        if layers < 1:
+            raise ValueError(f"a draft head needs at least one layer, not {layers}")
+        cfg = head_config(target.config, layers)
         self.config = cfg
         c = cfg.hidden_size
         layer_cls = type(target.model.layers[0])
-        self.layer = layer_cls(cfg, layer_idx=0)
+        self.layers = nn.ModuleList(layer_cls(cfg, layer_idx=i) for i in range(layers))
         if init_layer is not None:
-            self.layer.load_state_dict(target.model.layers[init_layer].state_dict())
+            for layer in self.layers:
+                layer.load_state_dict(target.model.layers[init_layer].state_dict())
         self.fc = nn.Linear(2 * c, c, bias=True)
         with torch.no_grad():  # start as "the feature, plus a little of the token"
             self.fc.weight.zero_()
@@ -61,7 +64,7 @@ class DraftHead(nn.Module):
             p.requires_grad = False
 
     def trainable(self) -> list[nn.Parameter]:
-        return [*self.fc.parameters(), *self.layer.parameters()]
+        return [*self.fc.parameters(), *self.layers.parameters()]
 
     def mix(self, features: torch.Tensor, tokens: torch.Tensor, normalized: bool = False) -> torch.Tensor:
         n_in = features if normalized else self.norm(features)
@@ -79,8 +82,10 @@ class DraftHead(nn.Module):
         if mask is None:
             t = tokens.shape[1]
             mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        out = self.layer(x, attention_mask=mask, position_embeddings=(cos, sin))
-        return out[0] if isinstance(out, tuple) else out
+        for layer in self.layers:
+            out = layer(x, attention_mask=mask, position_embeddings=(cos, sin))
+            x = out[0] if isinstance(out, tuple) else out
+        return x
 
 
 def chain_mask(t: int, steps: int) -> torch.Tensor:
@@ -101,19 +106,38 @@ def chain_mask(t: int, steps: int) -> torch.Tensor:
     return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
 
 
+def layer_prefixes(n: int) -> list[str]:
+    """The saved names of n head layers: a one-layer head keeps `layer.*` (the files written before heads
+    could have more layers), a deeper one `layers.{i}.*`."""
+    return ["layer."] if n == 1 else [f"layers.{i}." for i in range(n)]
+
+
+def saved_layers(names: Any) -> int:
+    """How many layers a saved head's tensor names hold (0: none)."""
+    if any(k.startswith("layer.") for k in names):
+        return 1
+    return len({k.split(".")[1] for k in names if k.startswith("layers.")})
+
+
 def save_head(head: DraftHead, path: Any) -> None:
-    """fp16 safetensors: the trained tensors (fc.*, layer.*) and the draft vocabulary; everything else
+    """fp16 safetensors: the trained tensors (fc.*, the layers') and the draft vocabulary; everything else
     (embeddings, final norm, lm_head rows) is the target's and is read from it at load."""
     from safetensors.torch import save_file
 
     tensors = {f"fc.{k}": v for k, v in head.fc.state_dict().items()}
-    tensors.update({f"layer.{k}": v for k, v in head.layer.state_dict().items()})
+    for prefix, layer in zip(layer_prefixes(len(head.layers)), head.layers, strict=True):
+        tensors.update({f"{prefix}{k}": v for k, v in layer.state_dict().items()})
     out = {k: v.detach().half().contiguous() for k, v in tensors.items()}
     out["vocab_ids"] = head.vocab_ids.int()
     save_file(out, str(path))
 
 
 def load_head_tensors(head: DraftHead, tensors: dict[str, torch.Tensor]) -> None:
+    """Strict: a tensor the head has no place for (another layer count, say) is an error, not dropped."""
     state = {k: v.float() for k, v in tensors.items()}
+    prefixes = ("fc.", *layer_prefixes(len(head.layers)))
+    if stray := sorted(k for k in state if not k.startswith(prefixes)):
+        raise RuntimeError(f"tensors {', '.join(stray[:3])} have no place in a {len(head.layers)}-layer head")
     head.fc.load_state_dict({k[3:]: v for k, v in state.items() if k.startswith("fc.")})
-    head.layer.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("layer.")})
+    for prefix, layer in zip(layer_prefixes(len(head.layers)), head.layers, strict=True):
+        layer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})

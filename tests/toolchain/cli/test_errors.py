@@ -158,7 +158,11 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--weight-decay", "1.5"), "--weight-decay 1.5: give a decay from 0"),
                         (("--extra-held-out", "8"), "--extra-held-out 8: give N >= 0 windows, with the --onpolicy-extra"),
                         (("--extra-held-out", "-1", "--onpolicy-extra", RECIPES / "smollm2-135m.yaml"),
-                         "--extra-held-out -1: give N >= 0")):
+                         "--extra-held-out -1: give N >= 0"),
+                        (("--head-layers", "0"), "--head-layers 0: give 1 to 4 layers"),
+                        (("--head-layers", "5"), "--head-layers 5: give 1 to 4 layers"),
+                        (("--head-layers", "2", "--generate-only", "--onpolicy-cache", "x.pt"),
+                         "--head-layers: it shapes the trained head")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)
         assert r.clean_error, r.err
         assert named in r.err
@@ -171,6 +175,8 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     assert r.clean_error and "--weight-decay: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--extra-held-out", "4")
     assert r.clean_error and "--extra-held-out: it is for --kind head" in r.err and not out.exists()
+    r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--head-layers", "2")
+    assert r.clean_error and "--head-layers: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--generate-only")
     assert r.clean_error and "--onpolicy-cache FILE" in r.err  # generation alone writes no draft: no --out needed
 
@@ -189,3 +195,18 @@ def test_extra_held_out_reaches_the_head_training(tmp_path, monkeypatch):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", tmp_path / "h", *args)
         assert r.clean_error and "stopped before any work" in r.err, r.err
     assert [cfg.extra_held_out for cfg in seen] == [8, 0, 64]
+
+
+def test_head_layers_reach_the_head_training(tmp_path, monkeypatch):
+    """--head-layers N is the HeadConfig the training runs with (default 1 without it)."""
+    seen = []
+
+    def stop(_recipe, _out, cfg, log=None):
+        seen.append(cfg)
+        raise MobcError("stopped before any work")
+
+    monkeypatch.setattr("toolchain.train.head.train_head", stop)
+    for args in (("--head-layers", "2"), ()):
+        r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", tmp_path / "h", *args)
+        assert r.clean_error and "stopped before any work" in r.err, r.err
+    assert [cfg.head_layers for cfg in seen] == [2, 1]

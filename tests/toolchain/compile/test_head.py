@@ -40,6 +40,39 @@ def test_head_graphs_compute_the_module_and_carry_the_draft_vocabulary(world):
     assert "Verification against transformers" not in shown.output
 
 
+def test_a_two_layer_head_compiles_with_a_cache_per_layer_and_computes_its_module(world, tmp_path):
+    hf, _, _ = world
+    weights = head_weights(hf, tmp_path / "w2.safetensors", layers=2)
+    out = compile_recipe(head_recipe(tmp_path, hf, weights, name="deep")).out_dir
+    sessions = ArtifactSessions(out)
+    assert sessions.manifest.model.n_layers == 2
+    decode = sessions.chain("decode")[0]
+    assert {"past_key_0", "past_key_1", "past_value_1"} <= set(decode.input_names)
+    assert {"new_key_1", "new_value_1"} <= set(decode.output_names)
+    v = sessions.manifest.verification["head"]
+    assert v["ok"] and v["max_abs_logits"] < 1e-4 and v["argmax_identical"] == v["rows"]
+
+
+def test_a_graph_that_skips_a_layer_fails_the_compile(world, tmp_path, monkeypatch):
+    """The row-by-row check sees every layer: a two-layer head's graph that runs only its first differs."""
+    hf, _, _ = world
+    weights = head_weights(hf, tmp_path / "w2.safetensors", layers=2)
+    original = head_mod.HeadStepGraph.forward
+
+    def first_layer_twice(self, input_ids, features, mask, cos, sin, *past):
+        layers = self.head.layers
+        self.head.layers = torch.nn.ModuleList([layers[0], layers[0]])
+        try:
+            return original(self, input_ids, features, mask, cos, sin, *past)
+        finally:
+            self.head.layers = layers
+
+    monkeypatch.setattr(head_mod.HeadStepGraph, "forward", first_layer_twice)
+    with pytest.raises(ExportError, match="does not compute its torch module"):
+        compile_recipe(head_recipe(tmp_path, hf, weights, name="skips"))
+    assert not (tmp_path / "out" / "skips").exists()
+
+
 def test_a_graph_that_misreads_its_features_fails_the_compile(world, tmp_path, monkeypatch):
     """A head graph that skips the final norm on its features differs from the module: the compile stops."""
     hf, _, _ = world

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from tests.tiny import tiny_tokenizer
-from tests.toolchain.head_fixtures import compile_target, target_hidden, tiny_head_world
+from tests.toolchain.head_fixtures import (
+    compile_target,
+    head_recipe,
+    head_weights,
+    target_hidden,
+    tiny_head_world,
+)
 from toolchain.errors import ArtifactError
 from toolchain.runtime.head_draft import HeadDraft
 from toolchain.runtime.model import StepModel
@@ -61,6 +67,34 @@ def test_chain_with_a_head_generates_ars_tokens_and_keeps_target_features(world)
                                        ref[..., :n] if ref.shape[-1] == draft.cache.slots else ref[:, :, :n],
                                        atol=1e-5)
         assert text == (ids + want)[:n]
+
+
+def test_a_two_layer_head_drafts_for_chain_and_lever_and_keeps_both_layers_caches(world, tmp_path):
+    from toolchain.compile.pipeline import compile_recipe
+
+    hf, target_dir, _ = world
+    weights = head_weights(hf, tmp_path / "w2.safetensors", layers=2)
+    head_dir = compile_recipe(head_recipe(tmp_path, hf, weights, name="deep")).out_dir
+    target = StepModel(target_dir)
+    draft = HeadDraft(StepModel(head_dir), target)
+    assert len(draft.cache.keys) == 2
+    ar = make_policy("ar", target)
+    tok = tiny_tokenizer()
+    for policy in ("chain", "lever"):
+        spec = make_policy(policy, target, draft, **({"gamma": 3} if policy == "chain" else {}))
+        for prompt in PROMPTS:
+            ids = tok(prompt).input_ids
+            want = generate(ar, ids)
+            assert generate(spec, ids) == want, (policy, prompt)
+    n = min(draft.length, target.length)
+    fresh = HeadDraft(StepModel(head_dir), target)
+    fresh.reset()
+    fresh.target_features[:] = draft.target_features
+    fresh.heard = draft.heard
+    fresh._run(draft.tokens[:n])
+    for mine, ref in zip(draft.cache.keys + draft.cache.values, fresh.cache.keys + fresh.cache.values, strict=True):
+        np.testing.assert_allclose(mine[..., :n] if mine.shape[-1] == draft.cache.slots else mine[:, :, :n],
+                                   ref[..., :n] if ref.shape[-1] == draft.cache.slots else ref[:, :, :n], atol=1e-5)
 
 
 def test_features_are_the_targets_residual_at_the_previous_position(world):
