@@ -82,6 +82,10 @@ def train_draft(
                                               "64) for the report's held-out set of the extra rounds; 0 trains on all"),
     head_layers: int | None = typer.Option(None, "--head-layers", help="head: decoder layers of the target's class "
                                            "in the head (default 1; each costs what one of the target's layers does)"),
+    checkpoint: Path | None = typer.Option(None, "--checkpoint", help="head, with --steps: file keeping the "
+                                           "training's state every 10 minutes; the same command run again after a "
+                                           "stop resumes from it and makes the same head (removed when the head is "
+                                           "written)"),
 ) -> None:
     """Derive a draft from the target (kept layers + shared embeddings/lm_head) and distill it on stdlib source,
     or (--kind head) train a draft head that reads the target's features."""
@@ -95,7 +99,7 @@ def train_draft(
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
                     until_end_of_turn=until_end_of_turn, weight_decay=weight_decay, extra_held_out=extra_held_out,
-                    head_layers=head_layers)
+                    head_layers=head_layers, checkpoint=checkpoint)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -107,6 +111,8 @@ def train_draft(
         raise MobcError("--extra-held-out: it is for --kind head with --onpolicy-extra")
     if head_layers is not None:
         raise MobcError("--head-layers: it is for --kind head; --kind layers takes --layers")
+    if checkpoint is not None:
+        raise MobcError("--checkpoint: it is for --kind head with --steps")
     from toolchain.train.draft import DistillConfig
     from toolchain.train.draft import train_draft as run_train
 
@@ -135,7 +141,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 onpolicy_extra: list[Path], unroll_mode: str, teacher_precision: str,
                 teacher_cache: Path | None, until_end_of_turn: bool = False,
                 weight_decay: float | None = None, extra_held_out: int | None = None,
-                head_layers: int | None = None) -> None:
+                head_layers: int | None = None, checkpoint: Path | None = None) -> None:
     from toolchain.train.head import HEAD_FILE, HeadConfig, generate_onpolicy, held_out_table, train_head
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
@@ -145,6 +151,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
                      teacher_cache=str(teacher_cache) if teacher_cache else None, until_end_of_turn=until_end_of_turn,
+                     checkpoint=str(checkpoint) if checkpoint else None,
                      **{k: v for k, v in given.items() if v is not None})
     if steps is not None and (minutes is not None or generate_only or steps < 1):
         raise MobcError(f"--steps {steps}: give N >= 1 training steps, without --minutes (the steps replace the time "
@@ -180,6 +187,9 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                         "they are held out of")
     if not 1 <= cfg.head_layers <= 4:
         raise MobcError(f"--head-layers {cfg.head_layers}: give 1 to 4 layers (a head is a small fraction of the target)")
+    if checkpoint is not None and (steps is None or generate_only):
+        raise MobcError(f"--checkpoint {checkpoint}: a run resumes step for step, so give it with --steps N (not a "
+                        "--minutes budget, and not with --generate-only)")
     if head_layers is not None and generate_only:
         raise MobcError("--head-layers: it shapes the trained head; --generate-only trains nothing")
     if cfg.self_chat < 0:

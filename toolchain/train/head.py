@@ -18,6 +18,7 @@ round at gamma = 4, and per-depth acceptance).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from toolchain.atomic import atomic_file
 from toolchain.bench.prompts import ChatPrompt, encode
 from toolchain.train import corpus, onpolicy
+from toolchain.train.checkpoint import Checkpoint
 from toolchain.train.draft import DraftTrainError, target_continuations, teacher_states, token_windows
 from toolchain.train.head_model import DraftHead, chain_mask, save_head
 from toolchain.train.loop import cosine_by_steps, cosine_by_time, timed_adamw_loop
@@ -94,6 +96,8 @@ class HeadConfig:
     teacher_cache: str | None = None  # local file keeping the teacher pass's states for reruns (cached_teacher)
     until_end_of_turn: bool = False  # train each window only up to where the target would end its answer (its
     # greedy next token is end-of-turn): the answers were generated past it (min_new_tokens), text no run decodes
+    checkpoint: str | None = None  # file keeping the training's state every checkpoint_seconds; a rerun resumes it
+    checkpoint_seconds: float = 600.0
 
 
 def draft_vocabulary(streams: list[np.ndarray], size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -661,8 +665,15 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
             raise DraftTrainError(f"--minutes {cfg.minutes}: the target's continuations and teacher pass used "
                                   f"{time.perf_counter() - t0:.0f} s; give the training at least a few minutes more")
         lr_at = cosine_by_time(cfg.lr, left, floor=cfg.lr_floor)
+    ckpt = None
+    if cfg.checkpoint:
+        if cfg.steps is None:
+            raise DraftTrainError("--checkpoint: a run resumes step for step, so it needs --steps N, not a time budget")
+        ckpt = Checkpoint(Path(cfg.checkpoint), checkpoint_key(cfg, target_id, windows, states), gen_rng,
+                          cfg.checkpoint_seconds)
     res = timed_adamw_loop(head, head.trainable(), step_loss, lr=cfg.lr, seconds=left, log=log, label="loss",
-                           every=20, lr_at=lr_at, max_steps=cfg.steps, weight_decay=cfg.weight_decay)
+                           every=20, lr_at=lr_at, max_steps=cfg.steps, weight_decay=cfg.weight_decay,
+                           checkpoint=ckpt)
     head.eval()
     accepts = {"held_out": chain_acceptance(head, gen_held, s_held, t_held, cfg.prompt_len, cfg.gamma)}
     eos = getattr(tok, "eos_token_id", None)
@@ -684,6 +695,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     config = {**asdict(cfg), "minutes": cfg.minutes if cfg.steps is None else None,  # --steps replaces the budget
               "onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
               "teacher_cache": Path(cfg.teacher_cache).name if cfg.teacher_cache else None,
+              "checkpoint": Path(cfg.checkpoint).name if cfg.checkpoint else None,
               "onpolicy_extra": [Path(p).name for p in cfg.onpolicy_extra]}
     report = {"target": name, "target_source": source, "config": config,
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
@@ -692,4 +704,18 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
               **{key: accepts.get(key) for key in HELD_OUT_SETS}, "app_windows": len(app), "extra_windows": len(extra),
               "self_chat_requests": len(requests), "seconds": round(time.perf_counter() - t0, 1)}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    if ckpt:
+        ckpt.remove()
     return report
+
+
+def checkpoint_key(cfg: HeadConfig, target: str, windows: torch.Tensor, states: torch.Tensor) -> dict[str, Any]:
+    """What a resumed run must share with the one that wrote the checkpoint: every setting but where files
+    live and how often to save, and a fingerprint of the training windows and their teacher states."""
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()
+                if k not in ("checkpoint", "checkpoint_seconds")}
+    settings.update(onpolicy_cache=Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
+                    onpolicy_extra=[Path(p).name for p in cfg.onpolicy_extra], teacher_cache=bool(cfg.teacher_cache))
+    sample = states[:: max(1, len(states) // 64)].contiguous()  # a fingerprint, not a 2.4 GB hash
+    return {**settings, "target": target, "windows": hashlib.sha256(windows.numpy().tobytes()).hexdigest(),
+            "states": [*states.shape, str(states.dtype), hashlib.sha256(sample.view(torch.uint8).numpy()).hexdigest()]}

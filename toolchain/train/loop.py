@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from toolchain.train.checkpoint import Checkpoint
+
 
 @dataclass
 class LoopResult:
@@ -107,6 +109,7 @@ def timed_adamw_loop(
     lr_at: Callable[[int], float] | None = None,
     max_steps: int | None = None,
     weight_decay: float = 0.0,
+    checkpoint: Checkpoint | None = None,
 ) -> LoopResult:
     """AdamW on `params` for `seconds` of wall clock (or `max_steps` steps, if that comes first: a fixed
     amount of work, whatever the machine's load). `weight_decay` (decoupled, scaled by each step's lr)
@@ -116,7 +119,8 @@ def timed_adamw_loop(
     Each step: lr from `lr_at(step)` if given (step counts from 0), loss = step_loss(), backward,
     clip the gradients' total norm to `clip`, optimizer step. Every `every` steps it logs
     "step N: <label> <mean of the last `every` losses> (<elapsed> s)". `module` is in train mode
-    during the loop and in eval mode after it.
+    during the loop and in eval mode after it. With a `checkpoint` the loop starts where the checkpoint's
+    file left off (checkpoint.py) and writes it whenever it is due; `seconds` then counts this run's time.
     """
     reuse_freed_memory()
     matrices = [p for p in params if p.ndim >= 2]
@@ -125,14 +129,18 @@ def timed_adamw_loop(
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
     module.train()
     t0 = time.perf_counter()
-    step, losses = 0, []
+    step, losses = checkpoint.resume(module, opt) if checkpoint else (0, [])
+    if step:
+        log(f"resumed from {checkpoint.path} at step {step}")
     while time.perf_counter() - t0 < seconds and (max_steps is None or step < max_steps):
         if lr_at is not None:
             for g in opt.param_groups:
-                g["lr"] = lr_at(step)
+                g["lr"] = float(lr_at(step))  # a plain float: a numpy one would not load back from a checkpoint
         losses.append(adamw_step(opt, params, step_loss, clip))
         step += 1
         if step % every == 0:
             log(f"step {step}: {label} {np.mean(losses[-every:]):.3f} ({time.perf_counter() - t0:.0f} s)")
+        if checkpoint and checkpoint.due():
+            checkpoint.save(module, opt, step, losses)
     module.eval()
     return LoopResult(step, time.perf_counter() - t0, losses)

@@ -162,7 +162,9 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--head-layers", "0"), "--head-layers 0: give 1 to 4 layers"),
                         (("--head-layers", "5"), "--head-layers 5: give 1 to 4 layers"),
                         (("--head-layers", "2", "--generate-only", "--onpolicy-cache", "x.pt"),
-                         "--head-layers: it shapes the trained head")):
+                         "--head-layers: it shapes the trained head"),
+                        (("--checkpoint", "c.pt"), "--checkpoint c.pt: a run resumes step for step, so give it "
+                         "with --steps N")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)
         assert r.clean_error, r.err
         assert named in r.err
@@ -177,6 +179,8 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     assert r.clean_error and "--extra-held-out: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--head-layers", "2")
     assert r.clean_error and "--head-layers: it is for --kind head" in r.err and not out.exists()
+    r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--checkpoint", "c.pt")
+    assert r.clean_error and "--checkpoint: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--generate-only")
     assert r.clean_error and "--onpolicy-cache FILE" in r.err  # generation alone writes no draft: no --out needed
 

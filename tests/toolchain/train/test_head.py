@@ -274,6 +274,48 @@ def test_a_run_of_fixed_steps_makes_the_same_head_twice(tmp_path):
     a, b = load_file(tmp_path / "a" / HEAD_FILE), load_file(tmp_path / "b" / HEAD_FILE)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+def test_a_training_stopped_midway_resumes_from_its_checkpoint_to_the_same_head(tmp_path, monkeypatch):
+    """--checkpoint: a rerun after a stop goes on from the saved step and writes the head an unstopped run
+    writes; the file goes once the head is written, and a run with other settings is refused it."""
+    from safetensors.torch import load_file
+
+    from toolchain.train import head as head_mod
+    from toolchain.train.checkpoint import CheckpointError
+
+    hf = save_tiny(tmp_path / "hf", "llama")
+    recipe = write_recipe(tmp_path / "t.yaml", hf)
+    ckpt = tmp_path / "state.pt"
+    cfg = HeadConfig(steps=9, corpus_tokens=4096, generated_windows=2, held_out_windows=1, seq_len=64, prompt_len=16,
+                     answer_batch=8, draft_vocab=64, onpolicy_cache=str(tmp_path / "gen.pt"), head_layers=2)
+    whole = train_head(recipe, tmp_path / "whole", cfg, log=lambda _m: None)
+    stopped = HeadConfig(**{**cfg.__dict__, "checkpoint": str(ckpt), "checkpoint_seconds": 0.0})
+    real_loss, calls = head_mod.training_loss, []
+
+    def stop_at_six(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(head_mod, "training_loss", stop_at_six)
+    with pytest.raises(KeyboardInterrupt):
+        train_head(recipe, tmp_path / "resumed", stopped, log=lambda _m: None)
+    monkeypatch.setattr(head_mod, "training_loss", real_loss)
+    assert torch.load(ckpt, weights_only=True)["step"] == 5 and not (tmp_path / "resumed").exists()
+    other = HeadConfig(**{**stopped.__dict__, "lr": 2e-3})
+    with pytest.raises(CheckpointError, match="differs in lr"):
+        train_head(recipe, tmp_path / "other", other, log=lambda _m: None)
+    lines: list[str] = []
+    resumed = train_head(recipe, tmp_path / "resumed", stopped, log=lines.append)
+    assert any("resumed from" in m and "at step 5" in m for m in lines)
+    assert resumed["steps"] == 9 and resumed["loss_last"] == whole["loss_last"] and not ckpt.exists()
+    a, b = load_file(tmp_path / "whole" / HEAD_FILE), load_file(tmp_path / "resumed" / HEAD_FILE)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(DraftTrainError, match="--checkpoint: a run resumes step for step"):
+        train_head(recipe, tmp_path / "timed", HeadConfig(**{**stopped.__dict__, "steps": None, "minutes": 0.5}),
+                   log=lambda _m: None)
+
+
 def test_bf16_training_runs_the_loss_in_bf16_close_to_fp32(tmp_path):
     from transformers import AutoModelForCausalLM
 
