@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,39 @@ def _progress(name: str, p: dict[str, Any]) -> str:
 
 
 @dataclass
+class CallCost:
+    """One model's decode-phase calls and their wall time on this CPU, per family, over a whole bench."""
+    calls: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)
+
+    def add(self, calls: Counter, seconds: Counter) -> None:
+        self.calls.update(calls)
+        self.seconds.update(seconds)
+
+
+def model_names(target: StepModel, draft: Any, other_drafts: Sequence[Any]) -> dict[str, str]:
+    """The bench's model keys (its predictors') -> the artifact names a reader knows them by."""
+    names = {"target": target.name}
+    if draft is not None:
+        names["draft"] = step_model(draft).name
+    names.update({f"draft{i}": step_model(d).name for i, d in enumerate(other_drafts)})
+    return names
+
+
+def call_cost_rows(costs: dict[str, CallCost], names: dict[str, str]) -> list[dict[str, Any]]:
+    """Measured ms per call of every family each model ran, and each against one target decode call (the
+    figure a draft's cost is judged by: a draft call per drafted token against a target step)."""
+    def ms(c: CallCost, fam: str) -> float:
+        return 1e3 * c.seconds[fam] / c.calls[fam]
+
+    target = costs.get("target")
+    step_ms = ms(target, "decode") if target and target.calls["decode"] else None
+    return [{"model": names.get(key, key), "key": key, "family": fam, "calls": c.calls[fam], "ms_per_call": ms(c, fam),
+             "vs_target_decode": ms(c, fam) / step_ms if step_ms else None}
+            for key, c in costs.items() for fam in sorted(c.calls) if c.calls[fam] and fam in c.seconds]
+
+
+@dataclass
 class PolicyResult:
     name: str
     tokens: int = 0
@@ -179,6 +213,7 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
     tok = target.tokenizer
     widest_verify = target.widths[target.family_for(gamma + 1)] if draft is not None else 1
     results = {name: PolicyResult(name) for name in pol}
+    costs: dict[str, CallCost] = {}  # per model (its predictor's key): decode-phase calls and seconds per family
     skipped = 0
     for i, text in enumerate(prompts):
         ids = encode(tok, text)
@@ -203,6 +238,9 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
             same = ref is None or out == ref
             if name == "ar":
                 ref = out
+            costs.setdefault(owner[name], CallCost()).add(s.target_calls, s.target_family_seconds)
+            if s.draft_calls:
+                costs.setdefault(draft_key.get(name, "draft"), CallCost()).add(s.draft_calls, s.draft_family_seconds)
             r.tokens += len(out)
             r.seconds += wall
             r.phone_seconds += phone
@@ -232,5 +270,6 @@ def bench_decode(target: StepModel, draft: StepModel | None, policies: list[str]
         "draft_dram_budget": draft_dram, "max_new_tokens": max_new_tokens,
         "prompts": len(prompts) - skipped, "skipped_prompts": skipped,
         "phone_ms_per_call": {k: {f: 1e3 * s for f, s in p.per_call.items()} for k, p in predictors.items()},
+        "cpu_calls": call_cost_rows(costs, model_names(target, draft, other_drafts)),
         "rows": rows, "details": {n: r.prompts for n, r in results.items()},
     }

@@ -116,6 +116,9 @@ def bench_decode(
                       f"{ga['tokens_per_s_cpu'] / ar_row['tokens_per_s_cpu']:.2f}x", "—",
                       f"{ga['identical_to_ar']}/{ga['prompts']}")
     console.print(table)
+    print_rows("measured decode-phase calls on this CPU (a draft's cost: its ms/call against a target decode)",
+               res["cpu_calls"], [("model", "model", ""), ("family", "family", ""), ("calls", "calls", "d"),
+                                  ("ms/call", "ms_per_call", ".2f"), ("vs a target decode", "vs_target_decode", ".3fx")])
     if lc:
         console.print(f"mobc ar / llama.cpp ar (CPU decode tok/s): {lc['mobc_ar_over_llamacpp']:.2f}")
     if temperature == 0:

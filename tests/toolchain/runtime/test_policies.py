@@ -183,6 +183,24 @@ def test_cli_run_and_bench_decode(artifacts, tmp_path):
         assert second["identical_to_ar"] == 3 and rows[name]["identical_to_ar"] == 3
         assert second["tokens_per_target_call"] > rows[name]["tokens_per_target_call"] + 1.5, (name, rows)
     assert rows["ar"]["target_calls_per_token"] == pytest.approx(1.0, abs=0.1)
+    # measured call costs: every decode-phase call of each model counted once, and the target run as a draft
+    # costs what it costs as the target (the same graph)
+    calls = {(c["key"], c["family"]): c for c in data["cpu_calls"]}
+    want: dict = {}
+    for name, details in data["details"].items():
+        owner = name if name.startswith("ar@") else "target"
+        key = "draft0" if "@" in name and not name.startswith("ar@") else "draft"
+        for d in details:
+            for fam, n in d["target_calls"].items():
+                want[(owner, fam)] = want.get((owner, fam), 0) + n
+            for fam, n in d["draft_calls"].items():
+                want[(key, fam)] = want.get((key, fam), 0) + n
+    assert {k: c["calls"] for k, c in calls.items()} == {k: n for k, n in want.items() if n}
+    assert calls[("target", "decode")]["vs_target_decode"] == pytest.approx(1.0)
+    assert calls[("draft0", "decode")]["model"] == StepModel(target_dir).name
+    assert 0.33 < calls[("draft0", "decode")]["vs_target_decode"] < 3.0
+    assert all(c["ms_per_call"] > 0 for c in calls.values())
+    assert "measured decode-phase calls on this CPU" in res.output
     assert rows["chain"]["phone_ms_per_token"] > 0
     # chain's speedup is ar's phone time per token over chain's (not a ratio of ar with itself)
     assert rows["chain"]["speedup_phone"] == pytest.approx(
