@@ -106,6 +106,6 @@ def test_weights_of_another_target_or_no_file_are_clear_errors(world, tmp_path):
 
     other = tmp_path / "other.safetensors"
     save_file({"fc.weight": torch.zeros(8, 16).half(), "fc.bias": torch.zeros(8).half(),
-               "vocab_ids": torch.arange(4).int()}, str(other))
+               "layer.input_layernorm.weight": torch.ones(8).half(), "vocab_ids": torch.arange(4).int()}, str(other))
     with pytest.raises(HeadError, match="trained for another target"):
         compile_recipe(head_recipe(tmp_path, hf, other, name="b"))
