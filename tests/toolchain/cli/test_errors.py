@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.cli_main import run_main
 from toolchain.errors import MobcError
 
@@ -185,8 +187,15 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     assert r.clean_error and "--onpolicy-cache FILE" in r.err  # generation alone writes no draft: no --out needed
 
 
-def test_extra_held_out_reaches_the_head_training(tmp_path, monkeypatch):
-    """--extra-held-out N is the HeadConfig the training runs with (default 64 without it)."""
+_EXTRA = ("--onpolicy-extra", RECIPES / "smollm2-135m.yaml")  # a file that exists; never read here
+
+
+@pytest.mark.parametrize("field, runs", [
+    ("extra_held_out", [((*_EXTRA, "--extra-held-out", "8"), 8), ((*_EXTRA, "--extra-held-out", "0"), 0), (_EXTRA, 64)]),
+    ("head_layers", [(("--head-layers", "2"), 2), ((), 1)]),
+])
+def test_head_options_reach_the_head_training(tmp_path, monkeypatch, field, runs):
+    """--extra-held-out N and --head-layers N are the HeadConfig the training runs with (defaults without them)."""
     seen = []
 
     def stop(_recipe, _out, cfg, log=None):
@@ -194,23 +203,7 @@ def test_extra_held_out_reaches_the_head_training(tmp_path, monkeypatch):
         raise MobcError("stopped before any work")
 
     monkeypatch.setattr("toolchain.train.head.train_head", stop)
-    extra = ("--onpolicy-extra", RECIPES / "smollm2-135m.yaml")  # a file that exists; never read here
-    for args in ((*extra, "--extra-held-out", "8"), (*extra, "--extra-held-out", "0"), extra):
+    for args, _ in runs:
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", tmp_path / "h", *args)
         assert r.clean_error and "stopped before any work" in r.err, r.err
-    assert [cfg.extra_held_out for cfg in seen] == [8, 0, 64]
-
-
-def test_head_layers_reach_the_head_training(tmp_path, monkeypatch):
-    """--head-layers N is the HeadConfig the training runs with (default 1 without it)."""
-    seen = []
-
-    def stop(_recipe, _out, cfg, log=None):
-        seen.append(cfg)
-        raise MobcError("stopped before any work")
-
-    monkeypatch.setattr("toolchain.train.head.train_head", stop)
-    for args in (("--head-layers", "2"), ()):
-        r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", tmp_path / "h", *args)
-        assert r.clean_error and "stopped before any work" in r.err, r.err
-    assert [cfg.head_layers for cfg in seen] == [2, 1]
+    assert [getattr(cfg, field) for cfg in seen] == [want for _, want in runs]
