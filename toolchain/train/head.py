@@ -693,10 +693,9 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     save_head(head, out_dir / HEAD_FILE)
     # the cache by file name: its full path is this machine's (the cache's key checked what it holds)
     config = {**asdict(cfg), "minutes": cfg.minutes if cfg.steps is None else None,  # --steps replaces the budget
-              "onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
+              **onpolicy_file_names(cfg),
               "teacher_cache": Path(cfg.teacher_cache).name if cfg.teacher_cache else None,
-              "checkpoint": Path(cfg.checkpoint).name if cfg.checkpoint else None,
-              "onpolicy_extra": [Path(p).name for p in cfg.onpolicy_extra]}
+              "checkpoint": Path(cfg.checkpoint).name if cfg.checkpoint else None}
     report = {"target": name, "target_source": source, "config": config,
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
               "vocab_coverage_held_out": coverage, "train_windows": len(windows), "generated_windows": len(gen),
@@ -709,13 +708,18 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     return report
 
 
+def onpolicy_file_names(cfg: HeadConfig) -> dict[str, Any]:
+    """The on-policy caches a run read, by file name: their full paths are this machine's."""
+    return {"onpolicy_cache": Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
+            "onpolicy_extra": [Path(p).name for p in cfg.onpolicy_extra]}
+
+
 def checkpoint_key(cfg: HeadConfig, target: str, windows: torch.Tensor, states: torch.Tensor) -> dict[str, Any]:
     """What a resumed run must share with the one that wrote the checkpoint: every setting but where files
     live and how often to save, and a fingerprint of the training windows and their teacher states."""
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()
                 if k not in ("checkpoint", "checkpoint_seconds")}
-    settings.update(onpolicy_cache=Path(cfg.onpolicy_cache).name if cfg.onpolicy_cache else None,
-                    onpolicy_extra=[Path(p).name for p in cfg.onpolicy_extra], teacher_cache=bool(cfg.teacher_cache))
+    settings.update(onpolicy_file_names(cfg), teacher_cache=bool(cfg.teacher_cache))
     sample = states[:: max(1, len(states) // 64)].contiguous()  # a fingerprint, not a 2.4 GB hash
     return {**settings, "target": target, "windows": hashlib.sha256(windows.numpy().tobytes()).hexdigest(),
             "states": [*states.shape, str(states.dtype), hashlib.sha256(sample.view(torch.uint8).numpy()).hexdigest()]}

@@ -35,13 +35,19 @@ class RunStats:
     tokens: int = 0
     target_calls: Counter[str] = field(default_factory=Counter)  # decode-phase calls per family
     draft_calls: Counter[str] = field(default_factory=Counter)
-    target_seconds: float = 0.0
-    draft_seconds: float = 0.0
     target_family_seconds: Counter[str] = field(default_factory=Counter)  # decode-phase seconds per family
     draft_family_seconds: Counter[str] = field(default_factory=Counter)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify call
     prefill_calls: Counter[str] = field(default_factory=Counter)  # target, then draft, prompt calls
     prefill_seconds: float = 0.0
+
+    @property
+    def target_seconds(self) -> float:
+        return sum(self.target_family_seconds.values())
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(self.draft_family_seconds.values())
 
     @property
     def n_target_calls(self) -> int:
@@ -100,11 +106,9 @@ class Policy:
     def _finish(self) -> None:
         self.stats.target_calls = Counter(self.target.calls)
         self.stats.target_family_seconds = Counter(self.target.seconds)
-        self.stats.target_seconds = sum(self.target.seconds.values())
         if self.draft is not None:
             self.stats.draft_calls = Counter(self.draft.calls)
             self.stats.draft_family_seconds = Counter(self.draft.seconds)
-            self.stats.draft_seconds = sum(self.draft.seconds.values())
 
     def _ar_step(self, pending: int, n: int, sampler: Sampler) -> Generator[list[int], None, int | None]:
         """Out of context for a speculative round: one plain target step, like ar.
