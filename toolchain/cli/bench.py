@@ -34,7 +34,8 @@ def bench_decode(
     draft: list[Path] = typer.Option([], "--draft", help="draft artifact folder; repeat it for rows of the same "
                                      "policies with another draft (<policy>@<folder>), in the same run"),
     policies: str = typer.Option("ar,chain", "--policies", help="comma-separated policies (+lookup: add the "
-                                 "context's own continuation to the draft's proposals)"),
+                                 "context's own continuation to the draft's proposals; chain:extend=P: draft "
+                                 "past gamma while the draft's probability >= P, default 0.8)"),
     prompts: str = typer.Option("humaneval:20", "--prompts", help=PROMPTS_HELP),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     gamma: int = typer.Option(4, "--gamma"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -11,6 +12,7 @@ from tests.tiny import save_tiny, tiny_tokenizer, write_recipe
 from tests.toolchain.runtime.speculative import assert_cache_holds, second_token_check
 from tests.toolchain.runtime.test_sampling import CHI2_5DOF_P001
 from toolchain.compile.pipeline import compile_recipe
+from toolchain.errors import MobcError
 from toolchain.runtime.greedy import greedy
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import Sampler, make_policy
@@ -70,13 +72,28 @@ def test_a_confident_draft_fills_the_verify_graphs_free_rows(artifacts):
     target, draft = StepModel(target_dir), StepModel(target_dir)
     ids = tiny_tokenizer()(PROMPTS[0]).input_ids
     ref = run(make_policy("ar", target), ids, 30)
-    for extend_at, per_round, family in ((0.0, 7, "prefill"), (1.01, 2, "verify3")):  # always confident / never
-        chain = make_policy("chain", target, draft, gamma=2, extend_at=extend_at)  # resets the call counts
+    # always confident / never
+    for spec, per_round, family in (("chain:extend=0", 7, "prefill"), ("chain:extend=1", 2, "verify3")):
+        chain = make_policy(spec, target, draft, gamma=2)  # resets the call counts
+        assert chain.name == spec
         assert run(chain, ids, 30) == ref
-        assert chain.stats.accepted[:3] == [per_round] * 3, (extend_at, chain.stats.accepted)
+        assert chain.stats.accepted[:3] == [per_round] * 3, (spec, chain.stats.accepted)
         assert target.calls[family] >= 3, target.calls
         if family == "verify3":
             assert target.calls["verify"] == 0, target.calls
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("chain+lookup:depth=3", "chain has no setting 'depth'; its settings: extend"),
+    ("chain:extend=1.5", "extend needs a number from 0 to 1"),
+    ("chain:extend", "extend needs a number from 0 to 1"),
+    ("chain:extend=x", "not 'x'"),
+    ("ar:extend=0.5", "ar has no setting 'extend'; its settings: none"),
+    ("lever+lookup:extend=0.5", "lever has no setting 'extend'"),
+])
+def test_policy_settings_are_refused_by_name(spec, says):
+    with pytest.raises(MobcError, match=re.escape(says)):
+        make_policy(spec, None, None)
 
 
 def test_chain_with_a_near_draft_accepts_partly_rolls_back_and_stays_lossless(artifacts, near_draft):

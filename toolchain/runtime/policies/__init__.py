@@ -26,7 +26,14 @@ def make_policy(name: str, target: StepModel, draft: StepModel | None = None, ga
     """Build a policy by name; `options` go to policies that take them (e.g. lever's cost profile).
 
     `+lookup` on any drafting policy (chain+lookup, lever+lookup, ahasd+lookup) blends the context's
-    own continuation into the draft's proposals (toolchain/runtime/lookup.py)."""
+    own continuation into the draft's proposals (toolchain/runtime/lookup.py). A `:key=value` suffix
+    sets a policy option by name, so a bench can put settings side by side in one run (chain:extend=0.5)."""
+    spec = name
+    name, colon, settings = name.partition(":")
+    if colon:
+        policy = make_policy(name, target, draft, gamma=gamma, **{**options, **policy_settings(spec, name, settings)})
+        policy.name = spec
+        return policy
     parts = name.split("+")
     if "lookup" in parts:
         if draft is None:
@@ -48,6 +55,31 @@ def make_policy(name: str, target: StepModel, draft: StepModel | None = None, ga
     if name == "chain":
         return Chain(target, draft, gamma=gamma, extend_at=options.get("extend_at", 0.8))
     return POLICIES[name](target, draft)
+
+
+# `<policy>:key=value` settings: key -> (the policies that take it, the option it sets, what it means)
+SETTINGS = {"extend": ({"chain"}, "extend_at", "draft past gamma while the draft's token probability is at least "
+                       "this (0-1; 1 = never: exactly gamma drafts per round)")}
+
+
+def policy_settings(spec: str, name: str, settings: str) -> dict[str, float]:
+    """Parse `key=value[:key=value...]` for policy `name` into make_policy options, or say what is wrong."""
+    base = [p for p in name.split("+") if p != "lookup"][0]
+    out: dict[str, float] = {}
+    for item in settings.split(":"):
+        key, eq, value = item.partition("=")
+        takes = [k for k, (names, _, _) in SETTINGS.items() if base in names]
+        if key not in takes:
+            options = ", ".join(f"{k} ({SETTINGS[k][2]})" for k in takes) or "none"
+            raise MobcError(f"policy {spec}: {base} has no setting {key!r}; its settings: {options}")
+        try:
+            number = float(value) if eq else float("nan")
+        except ValueError:
+            number = float("nan")
+        if not 0.0 <= number <= 1.0:
+            raise MobcError(f"policy {spec}: {key} needs a number from 0 to 1 ({key}=0.6), not {value!r}")
+        out[SETTINGS[key][1]] = number
+    return out
 
 
 __all__ = ["AR", "Chain", "POLICIES", "Policy", "RunStats", "Sampler", "accept_chain", "make_policy"]

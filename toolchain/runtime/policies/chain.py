@@ -47,7 +47,9 @@ class Chain(Policy):
         self.extend_at = extend_at
         fam = target.family_for(gamma + 1)  # fail early, with the fix, when no verify graph is wide enough
         rows = max((w for w in target.widths.values() if gamma + 1 <= w <= extend_rows), default=target.widths[fam])
-        self.max_drafts = rows - 1  # confident drafts past gamma fill up to these rows
+        # confident drafts past gamma fill up to these rows; extend_at >= 1 turns that off (a probability
+        # can round to exactly 1.0, so the comparison alone would not)
+        self.max_drafts = rows - 1 if extend_at < 1 else gamma
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
         assert self.draft is not None
