@@ -56,6 +56,12 @@ def test_case07_negative_or_nan_temperature(tiny_artifact):
         assert f"--temperature {float(value)}" in r.err
 
 
+def test_a_policy_setting_out_of_range_is_refused_by_name(tiny_artifact):
+    r = run_main("run", tiny_artifact, "--prompt", "hi", "--policy", "chain:extend=2", "--draft", tiny_artifact)
+    assert r.clean_error, r.err
+    assert "policy chain:extend=2: extend needs a number from 0 to 1" in r.err
+
+
 def test_case08_adapter_config_that_is_not_json(artifact_copy, tmp_path):
     manifest = json.loads((artifact_copy / "manifest.json").read_text())
     manifest["passes"].append(
