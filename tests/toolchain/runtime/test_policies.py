@@ -76,6 +76,7 @@ def test_a_confident_draft_fills_the_verify_graphs_free_rows(artifacts):
     for spec, per_round, family in (("chain:extend=0", 7, "prefill"), ("chain:extend=1", 2, "verify3")):
         chain = make_policy(spec, target, draft, gamma=2)  # resets the call counts
         assert chain.name == spec
+        assert chain.max_drafts == per_round  # extend=1 even when a probability rounds to exactly 1.0
         assert run(chain, ids, 30) == ref
         assert chain.stats.accepted[:3] == [per_round] * 3, (spec, chain.stats.accepted)
         assert target.calls[family] >= 3, target.calls
