@@ -65,15 +65,15 @@ SETTINGS = {"extend": ({"chain"}, "extend_at", "draft past gamma while the draft
 def policy_settings(spec: str, name: str, settings: str) -> dict[str, float]:
     """Parse `key=value[:key=value...]` for policy `name` into make_policy options, or say what is wrong."""
     base = [p for p in name.split("+") if p != "lookup"][0]
+    takes = [k for k, (names, _, _) in SETTINGS.items() if base in names]
     out: dict[str, float] = {}
     for item in settings.split(":"):
-        key, eq, value = item.partition("=")
-        takes = [k for k, (names, _, _) in SETTINGS.items() if base in names]
+        key, _, value = item.partition("=")
         if key not in takes:
             options = ", ".join(f"{k} ({SETTINGS[k][2]})" for k in takes) or "none"
             raise MobcError(f"policy {spec}: {base} has no setting {key!r}; its settings: {options}")
         try:
-            number = float(value) if eq else float("nan")
+            number = float(value)  # "" (no "=") too: refused below, as nan
         except ValueError:
             number = float("nan")
         if not 0.0 <= number <= 1.0:
