@@ -73,7 +73,9 @@ def test_a_confident_draft_fills_the_verify_graphs_free_rows(artifacts):
     ids = tiny_tokenizer()(PROMPTS[0]).input_ids
     ref = run(make_policy("ar", target), ids, 30)
     # always confident / never
-    for spec, per_round, family in (("chain:extend=0", 7, "prefill"), ("chain:extend=1", 2, "verify3")):
+    # rows=N caps a round's rows at the widest graph of at most N: 3 here (verify3), and 8 (all there is) for 64
+    for spec, per_round, family in (("chain:extend=0", 7, "prefill"), ("chain:extend=1", 2, "verify3"),
+                                    ("chain:extend=0:rows=4", 2, "verify3"), ("chain:rows=64:extend=0", 7, "prefill")):
         chain = make_policy(spec, target, draft, gamma=2)  # resets the call counts
         assert chain.name == spec
         assert chain.max_drafts == per_round  # extend=1 even when a probability rounds to exactly 1.0
@@ -89,6 +91,8 @@ def test_a_confident_draft_fills_the_verify_graphs_free_rows(artifacts):
     ("chain:extend=1.5", "extend needs a number from 0 to 1"),
     ("chain:extend", "extend needs a number from 0 to 1"),
     ("chain:extend=x", "not 'x'"),
+    ("chain:rows=1", "rows needs a whole number of rows, at least 2 (rows=32), not '1'"),
+    ("chain:rows=2.5", "not '2.5'"),
     ("ar:extend=0.5", "ar has no setting 'extend'; its settings: none"),
     ("lever+lookup:extend=0.5", "lever has no setting 'extend'"),
 ])

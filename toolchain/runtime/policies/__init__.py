@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.ar import AR
 from toolchain.runtime.policies.base import Policy, RunStats
-from toolchain.runtime.policies.chain import Chain
+from toolchain.runtime.policies.chain import EXTEND_AT, EXTEND_ROWS, Chain
 from toolchain.runtime.policies.sampling import Sampler, accept_chain
 
 POLICIES: dict[str, type[Policy]] = {"ar": AR, "chain": Chain}
@@ -53,32 +56,61 @@ def make_policy(name: str, target: StepModel, draft: StepModel | None = None, ga
     if name not in POLICIES:
         raise MobcError(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *LAZY_POLICIES])}")
     if name == "chain":
-        return Chain(target, draft, gamma=gamma, extend_at=options.get("extend_at", 0.8))
+        return Chain(target, draft, gamma=gamma, extend_at=options.get("extend_at", EXTEND_AT),
+                     extend_rows=options.get("extend_rows", EXTEND_ROWS))
     return POLICIES[name](target, draft)
 
 
-# `<policy>:key=value` settings: key -> (the policies that take it, the option it sets, what it means)
-SETTINGS = {"extend": ({"chain"}, "extend_at", "draft past gamma while the draft's token probability is at least "
-                       "this (0-1; 1 = never: exactly gamma drafts per round)")}
+class Setting(NamedTuple):
+    """A `<policy>:key=value` setting: the policies that take it, the make_policy option it sets, what it
+    means, and how its value is read (`parse` raises ValueError for a value outside `form`)."""
+
+    policies: frozenset[str]
+    option: str
+    meaning: str
+    form: str
+    parse: Callable[[str], float]
+
+
+def _probability(value: str) -> float:
+    number = float(value)  # "" (no "=") raises too
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(value)
+    return number
+
+
+def _rows(value: str) -> int:
+    number = int(value)
+    if number < 2:
+        raise ValueError(value)
+    return number
+
+
+SETTINGS = {
+    "extend": Setting(frozenset({"chain"}), "extend_at", f"draft past gamma while the draft's token probability is "
+                      f"at least this (default {EXTEND_AT}; 1 = never: exactly gamma drafts per round)",
+                      "a number from 0 to 1 (extend=0.6)", _probability),
+    "rows": Setting(frozenset({"chain"}), "extend_rows", f"the most rows a round that drafts past gamma may verify "
+                    f"at once (default {EXTEND_ROWS}; the widest compiled graph of at most this many)",
+                    "a whole number of rows, at least 2 (rows=32)", _rows),
+}
 
 
 def policy_settings(spec: str, name: str, settings: str) -> dict[str, float]:
     """Parse `key=value[:key=value...]` for policy `name` into make_policy options, or say what is wrong."""
     base = [p for p in name.split("+") if p != "lookup"][0]
-    takes = [k for k, (names, _, _) in SETTINGS.items() if base in names]
+    takes = [k for k, s in SETTINGS.items() if base in s.policies]
     out: dict[str, float] = {}
     for item in settings.split(":"):
         key, _, value = item.partition("=")
         if key not in takes:
-            options = ", ".join(f"{k} ({SETTINGS[k][2]})" for k in takes) or "none"
+            options = ", ".join(f"{k} ({SETTINGS[k].meaning})" for k in takes) or "none"
             raise MobcError(f"policy {spec}: {base} has no setting {key!r}; its settings: {options}")
+        setting = SETTINGS[key]
         try:
-            number = float(value)  # "" (no "=") too: refused below, as nan
+            out[setting.option] = setting.parse(value)
         except ValueError:
-            number = float("nan")
-        if not 0.0 <= number <= 1.0:
-            raise MobcError(f"policy {spec}: {key} needs a number from 0 to 1 ({key}=0.6), not {value!r}")
-        out[SETTINGS[key][1]] = number
+            raise MobcError(f"policy {spec}: {key} needs {setting.form}, not {value!r}") from None
     return out
 
 

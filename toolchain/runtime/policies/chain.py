@@ -5,7 +5,7 @@ which the target has not seen yet. A round drafts up to gamma tokens with the dr
 (one width-1 call each), then runs the target once on [pending, d1..dg] through its narrowest
 graph of width >= gamma+1 (causal mask; padding rows are masked off by the cache manager).
 A round drafts past gamma while the draft is confident (its drafted token's probability >=
-`extend_at`), up to the rows of the widest verify graph of at most `extend_rows` (8) rows: a
+`extend_at`), up to the rows of the widest verify graph of at most `extend_rows`: a
 confident draft is usually accepted (a long context-lookup match, +lookup, is the typical case),
 and each accepted token saves a whole target step, more than a wider verify call costs. The call
 itself runs on the narrowest graph that holds its rows (on a CPU a call's cost grows with its
@@ -27,12 +27,15 @@ from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.base import Policy
 from toolchain.runtime.policies.sampling import Sampler, accept_chain, top_probability
 
+EXTEND_AT = 0.8  # a drafted token's probability from which a round drafts past gamma
+EXTEND_ROWS = 8  # the most rows such a round's verify call fills (its graph: the widest of at most this many)
+
 
 class Chain(Policy):
     name = "chain"
 
     def __init__(self, target: StepModel, draft: StepModel | None = None, gamma: int = 4,
-                 extend_at: float = 0.8, extend_rows: int = 8):
+                 extend_at: float = EXTEND_AT, extend_rows: int = EXTEND_ROWS):
         if draft is None:
             raise MobcError("policy chain needs a draft model: pass --draft <artifact folder>")
         if draft.vocab != target.vocab:
