@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from toolchain.runtime.lookup import Proposal, blend, confidence, propose
+from toolchain.runtime.lookup import OVERRULE, LookupDraft, Proposal, blend, confidence, propose
 
 
 def test_propose_takes_the_longest_then_the_most_recent_match():
@@ -50,3 +50,32 @@ def test_blend_on_a_masked_proposal_and_with_all_the_mass():
     np.testing.assert_allclose(got[2], 0.9, rtol=1e-6)
     top = blend(logits, Proposal(3, 5), 1.0)
     assert int(np.argmax(top)) == 3 and top[3] == 0.0 and list(np.argsort(top[:3])) == [2, 1, 0]
+
+
+def _row(top: int, p: float, vocab: int = 50) -> np.ndarray:
+    """Logits whose softmax gives token `top` probability p and the rest equal shares."""
+    q = np.full(vocab, (1 - p) / (vocab - 1))
+    q[top] = p
+    return np.log(q).astype(np.float32)
+
+
+def test_a_draft_that_confidently_disagrees_overrules_a_short_match():
+    lookup = LookupDraft(inner=None)
+    short = [5, 1, 2, 9, 7, 1, 2]  # proposes 9 after a 2-token match
+    long = [3, 4, 5, 6, 7, 9, 8, 3, 4, 5, 6, 7]  # proposes 9 after a 5-token match
+    assert propose(short) == Proposal(9, 2) and propose(long) == Proposal(9, 5)
+    cases = [  # (context, the draft's top token, its probability, whether the proposal survives)
+        (short, 4, OVERRULE[2] + 0.05, False),  # disagrees, just above the 2-token bar: the draft's row stands
+        (short, 4, OVERRULE[2] - 0.05, True),  # below it: the lookup wins
+        (short, 9, 0.99, True),  # agrees: blended, however confident
+        (long, 4, 0.8, True),  # a long match outweighs a draft that is fairly sure
+        (long, 4, 0.97, False),
+    ]
+    for context, top, p, survives in cases:
+        row = _row(top, p)
+        out, prop = lookup.proposed(row, context)
+        assert (prop is not None) == survives, (context, top, p)
+        assert int(np.argmax(out)) == (9 if survives else top)
+        if not survives:
+            assert out is row
+    assert lookup.overruled == 2 and lookup.proposals == 3
