@@ -82,6 +82,8 @@ def train_draft(
                                               "64) for the report's held-out set of the extra rounds; 0 trains on all"),
     head_layers: int | None = typer.Option(None, "--head-layers", help="head: decoder layers of the target's class "
                                            "in the head (default 1; each costs what one of the target's layers does)"),
+    dropout: float | None = typer.Option(None, "--dropout", help="head: dropout on the head's layer inputs and "
+                                         "attention weights while training (default 0: none)"),
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="head, with --steps: file keeping the "
                                            "training's state every 10 minutes; the same command run again after a "
                                            "stop resumes from it and makes the same head (removed when the head is "
@@ -99,7 +101,7 @@ def train_draft(
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
                     until_end_of_turn=until_end_of_turn, weight_decay=weight_decay, extra_held_out=extra_held_out,
-                    head_layers=head_layers, checkpoint=checkpoint)
+                    head_layers=head_layers, checkpoint=checkpoint, dropout=dropout)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -111,6 +113,8 @@ def train_draft(
         raise MobcError("--extra-held-out: it is for --kind head with --onpolicy-extra")
     if head_layers is not None:
         raise MobcError("--head-layers: it is for --kind head; --kind layers takes --layers")
+    if dropout is not None:
+        raise MobcError("--dropout: it is for --kind head; --kind layers trains without dropout")
     if checkpoint is not None:
         raise MobcError("--checkpoint: it is for --kind head with --steps")
     from toolchain.train.draft import DistillConfig
@@ -141,12 +145,14 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 onpolicy_extra: list[Path], unroll_mode: str, teacher_precision: str,
                 teacher_cache: Path | None, until_end_of_turn: bool = False,
                 weight_decay: float | None = None, extra_held_out: int | None = None,
-                head_layers: int | None = None, checkpoint: Path | None = None) -> None:
+                head_layers: int | None = None, checkpoint: Path | None = None,
+                dropout: float | None = None) -> None:
     from toolchain.train.head import HEAD_FILE, HeadConfig, generate_onpolicy, held_out_table, train_head
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch,
-             "weight_decay": weight_decay, "extra_held_out": extra_held_out, "head_layers": head_layers}
+             "weight_decay": weight_decay, "extra_held_out": extra_held_out, "head_layers": head_layers,
+             "dropout": dropout}
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
@@ -190,8 +196,11 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
     if checkpoint is not None and (steps is None or generate_only):
         raise MobcError(f"--checkpoint {checkpoint}: a run resumes step for step, so give it with --steps N (not a "
                         "--minutes budget, and not with --generate-only)")
-    if head_layers is not None and generate_only:
-        raise MobcError("--head-layers: it shapes the trained head; --generate-only trains nothing")
+    if not 0.0 <= cfg.dropout < 0.5:
+        raise MobcError(f"--dropout {cfg.dropout}: give a rate from 0 (none) to below 0.5 (0.05-0.2 is usual)")
+    for option, value in (("--head-layers", head_layers), ("--dropout", dropout)):
+        if value is not None and generate_only:
+            raise MobcError(f"{option}: it shapes the trained head; --generate-only trains nothing")
     if cfg.self_chat < 0:
         raise MobcError(f"--self-chat {cfg.self_chat}: give a count >= 0")
     if generate_only:

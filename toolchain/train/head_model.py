@@ -23,23 +23,27 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def head_config(target_config: Any, layers: int = 1) -> Any:
-    """The target's config with `layers` layers of full attention (the head's own)."""
+def head_config(target_config: Any, layers: int = 1, dropout: float = 0.0) -> Any:
+    """The target's config with `layers` layers of full attention (the head's own) and `dropout` on their
+    attention weights while training."""
     cfg = copy.deepcopy(target_config)
     cfg.num_hidden_layers = layers
+    cfg.attention_dropout = dropout
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = ["full_attention"] * layers
     return cfg
 
 
 class DraftHead(nn.Module):
-    def __init__(self, target: Any, vocab_ids: torch.Tensor, init_layer: int | None = -1, layers: int = 1):
+    def __init__(self, target: Any, vocab_ids: torch.Tensor, init_layer: int | None = -1, layers: int = 1,
+                 dropout: float = 0.0):
         """target: the HF causal LM (weights read, never trained); vocab_ids [V'] the draft vocabulary;
-        init_layer: the target layer the head's layers start from (None: fresh init); layers: how many."""
+        init_layer: the target layer the head's layers start from (None: fresh init); layers: how many;
+        dropout: while training, on the layers' input rows and attention weights (a regularizer; none in eval)."""
         super().__init__()
         if layers < 1:
             raise ValueError(f"a draft head needs at least one layer, not {layers}")
-        cfg = head_config(target.config, layers)
+        cfg = head_config(target.config, layers, dropout)
         self.config = cfg
         c = cfg.hidden_size
         layer_cls = type(target.model.layers[0])
@@ -48,6 +52,7 @@ class DraftHead(nn.Module):
             for layer in self.layers:
                 layer.load_state_dict(target.model.layers[init_layer].state_dict())
         self.fc = nn.Linear(2 * c, c, bias=True)
+        self.dropout = nn.Dropout(dropout)
         with torch.no_grad():  # start as "the feature, plus a little of the token"
             self.fc.weight.zero_()
             self.fc.weight[:, :c] = torch.eye(c)
@@ -77,7 +82,7 @@ class DraftHead(nn.Module):
                       normalized: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal pass over whole windows: features [B,T,C] (row t's previous position), tokens [B,T]; or,
         with `mask` (additive, [1,1,T,T]), a pass in which each row sees the rows that mask allows."""
-        x = self.mix(features, tokens, normalized)
+        x = self.dropout(self.mix(features, tokens, normalized))
         cos, sin = self.rotary(x, positions)
         if mask is None:
             t = tokens.shape[1]

@@ -171,6 +171,10 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--head-layers", "5"), "--head-layers 5: give 1 to 4 layers"),
                         (("--head-layers", "2", "--generate-only", "--onpolicy-cache", "x.pt"),
                          "--head-layers: it shapes the trained head"),
+                        (("--dropout", "0.5"), "--dropout 0.5: give a rate from 0"),
+                        (("--dropout", "-0.1"), "--dropout -0.1: give a rate from 0"),
+                        (("--dropout", "0.1", "--generate-only", "--onpolicy-cache", "x.pt"),
+                         "--dropout: it shapes the trained head"),
                         (("--checkpoint", "c.pt"), "--checkpoint c.pt: a run resumes step for step, so give it "
                          "with --steps N")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)
@@ -187,6 +191,8 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     assert r.clean_error and "--extra-held-out: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--head-layers", "2")
     assert r.clean_error and "--head-layers: it is for --kind head" in r.err and not out.exists()
+    r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--dropout", "0.1")
+    assert r.clean_error and "--dropout: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--checkpoint", "c.pt")
     assert r.clean_error and "--checkpoint: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--generate-only")
@@ -199,9 +205,11 @@ _EXTRA = ("--onpolicy-extra", RECIPES / "smollm2-135m.yaml")  # a file that exis
 @pytest.mark.parametrize("field, runs", [
     ("extra_held_out", [((*_EXTRA, "--extra-held-out", "8"), 8), ((*_EXTRA, "--extra-held-out", "0"), 0), (_EXTRA, 64)]),
     ("head_layers", [(("--head-layers", "2"), 2), ((), 1)]),
+    ("dropout", [(("--dropout", "0.1"), 0.1), ((), 0.0)]),
 ])
 def test_head_options_reach_the_head_training(tmp_path, monkeypatch, field, runs):
-    """--extra-held-out N and --head-layers N are the HeadConfig the training runs with (defaults without them)."""
+    """--extra-held-out N, --head-layers N and --dropout P are the HeadConfig the training runs with (defaults
+    without them)."""
     seen = []
 
     def stop(_recipe, _out, cfg, log=None):

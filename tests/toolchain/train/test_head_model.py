@@ -37,6 +37,21 @@ def test_every_layer_of_a_deeper_head_shapes_its_output():
     assert not torch.allclose(both, _rows(head), atol=1e-4)  # the second layer is not skipped
 
 
+def test_dropout_acts_while_training_and_never_in_eval():
+    """--dropout: a training pass drops rows and attention weights (two passes differ); in eval, as the compile
+    and the held-out counts run it, the head gives what the same weights without dropout give."""
+    target = tiny_model("llama", 0).float().eval()
+    torch.manual_seed(0)
+    head = DraftHead(target, torch.arange(0, target.config.vocab_size, 4), init_layer=None, layers=2, dropout=0.3)
+    plain = DraftHead(target, head.vocab_ids, init_layer=None, layers=2)
+    plain.load_state_dict(head.state_dict())
+    assert head.config.attention_dropout == 0.3 and plain.config.attention_dropout == 0.0
+    head.train()
+    assert not torch.allclose(_rows(head), _rows(head))
+    head.eval()
+    torch.testing.assert_close(_rows(head), _rows(plain.eval()))
+
+
 def test_a_one_layer_head_keeps_the_shipped_files_names_and_a_deeper_one_numbers_its_layers(tmp_path):
     target = tiny_model("llama", 0).float().eval()
     for layers, want in ((1, {"layer."}), (2, {"layers.0.", "layers.1."})):
