@@ -5,7 +5,9 @@ gamma-token chain from every answer position, seeing the target's true features 
 own after it, as the chain policy does without lookup. A chain counts the leading drafts equal to the target's
 greedy tokens, so tokens per target call is what a chain run would reach on these answers. No compiled graphs
 and no runtime: a few minutes where a decode bench takes twenty, and every head reads the same answers and
-teacher states, so the differences between heads are the heads'. Sets of windows from the on-policy caches
+teacher states, so the differences between heads are the heads'. Beside that count, each answer is replayed as a
+chain run and a chain+lookup run would walk it (bench/replay.py): the tokens per target call `mobc bench decode`
+reports for those policies with this target's 8-row verify graph. Sets of windows from the on-policy caches
 a training read (`windows`) measure the heads on answers they were trained on: the gap to the prompt sets is
 how much a head over-fits.
 """
@@ -19,6 +21,8 @@ from typing import Any
 import torch
 
 from toolchain.bench.prompts import BenchError, encode, load_prompts
+from toolchain.bench.replay import head_distribution, replay_chain, tokens_per_call
+from toolchain.runtime.policies.chain import EXTEND_AT, EXTEND_ROWS
 from toolchain.train.draft import teacher_states
 from toolchain.train.head import HEAD_FILE, cached_answers, draft_chains, drafts_accepted, greedy_tokens
 
@@ -50,9 +54,14 @@ def _counts(acc: dict[str, Any]) -> dict[str, Any]:
             "at_depth": [d * n for d in acc["accept_at_depth"]]}
 
 
+# the replayed runs: name -> (with lookup); both with chain's default extension up to an 8-row verify graph
+RUNS = {"chain": False, "chain+lookup": True}
+
+
 def _row(counts: list[dict[str, Any]], gamma: int) -> dict[str, Any]:
     n, tokens = sum(c["rounds"] for c in counts), sum(c["answer_tokens"] for c in counts)
     coverage = {"vocab_coverage": sum(c["in_vocab"] for c in counts) / tokens if tokens else None}
+    coverage.update({f"run:{r}": tokens_per_call([c["runs"][r] for c in counts if "runs" in c]) for r in RUNS})
     if not n:
         return {"rounds": 0, "tokens_per_call": None, "accept_at_depth": [None] * gamma, **coverage}
     return {"rounds": n, "tokens_per_call": 1 + sum(c["accepted"] for c in counts) / n,
@@ -95,10 +104,14 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
             states, _ = teacher_states(target, seq, float("inf"), 1, lambda _m: None)
             greedy = greedy_tokens(states, lm_head)  # the target's token after each row
             for label, head in heads.items():
-                drafts = draft_chains(head, seq, states, gamma)[0]
+                chains, hidden = draft_chains(head, seq, states, max(gamma, EXTEND_ROWS - 1))
                 # the first chain starts at the answer's first token (row plen): the target's prefill gives that
                 # token, as in a run and in the training report's held-out count
-                counts = _counts(drafts_accepted(drafts, greedy, plen, gamma))
+                counts = _counts(drafts_accepted(chains[:, :gamma], greedy, plen, gamma))
+                dist = head_distribution(head, hidden[0])
+                counts["runs"] = {r: (seq.shape[1] - plen, replay_chain(seq[0], plen, chains[0], dist, head.vocab_ids,
+                                                                        gamma, EXTEND_AT, EXTEND_ROWS - 1, lookup))
+                                  for r, lookup in RUNS.items()}
                 answer = seq[0, plen + 1 :]  # the tokens a run drafts; one outside the vocabulary is never drafted
                 counts.update(answer_tokens=len(answer), in_vocab=int(torch.isin(answer, head.vocab_ids).sum()))
                 per.setdefault((name, label), []).append(counts)

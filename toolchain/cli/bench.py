@@ -486,5 +486,6 @@ def bench_head(
                rows, [("set", "set", ""), ("head", "head", ""), ("tokens/target call", "tokens_per_call", ".3f"),
                       *[(f"≥{k + 1} accepted", f"d{k + 1}", ".3f") for k in range(gamma)],
                       ("chains", "rounds", "d"), ("answer tokens in vocab", "vocab_coverage", ".3f"),
-                      ("vs first head", "vs_first", ".3fx")])
+                      ("vs first head", "vs_first", ".3fx"), ("as chain runs", "run:chain", ".3f"),
+                      ("as chain+lookup runs", "run:chain+lookup", ".3f")])
     write_json(json_out, res)

@@ -11,8 +11,9 @@ from tests.cli_main import run_main
 from tests.tiny import save_tiny, write_recipe
 from toolchain.bench.head import prompt_sets, table_rows
 from toolchain.bench.prompts import encode, load_prompts
+from toolchain.bench.replay import head_distribution, replay_chain, tokens_per_call
 from toolchain.compile.head import load_head
-from toolchain.train.head import chain_acceptance, load_target
+from toolchain.train.head import chain_acceptance, draft_chains, load_target
 from toolchain.train.head_model import DraftHead, save_head
 
 
@@ -88,7 +89,7 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
                  "--prompts", spec, "--max-new-tokens", "24", "--gamma", "3", "--windows", f"{tmp_path / 'r1.pt'}:3",
                  "--json", out)
     assert r.code == 0, r.err
-    assert "tokens/target call" in r.out and "vs first head" in r.out
+    assert "tokens/target call" in r.out and "vs first head" in r.out and "as chain+lookup runs" in r.out
     res = json.loads(out.read_text())
     rows = {(row["set"], row["head"]): row for row in res["rows"]}
     labels = [str(tmp_path / "h0"), str(tmp_path / "h1" / "head.safetensors")]
@@ -122,6 +123,21 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
     assert second["vocab_coverage"] == pytest.approx(sum(int((a % 2 == 0).sum()) for a in answers)
                                                       / sum(len(a) for a in answers))
 
+    # the replayed runs: chain's defaults (extension at 0.8 up to an 8-row graph), with and without lookup, over
+    # the same answers (the replay itself is checked against the runtime's chain in test_replay.py)
+    for head, label in zip(heads, labels, strict=True):
+        for lookup, key in ((False, "run:chain"), (True, "run:chain+lookup")):
+            pairs = []
+            for part in prompt_sets(spec).values():
+                for p in load_prompts(part):
+                    seq, plen = _answer(target, tok, p, 24)
+                    with torch.no_grad():
+                        states = target.model(seq).last_hidden_state
+                    chains, hidden = draft_chains(head, seq, states, 7)
+                    rounds = replay_chain(seq[0], plen, chains[0], head_distribution(head, hidden[0]), head.vocab_ids,
+                                          3, 0.8, 7, lookup)
+                    pairs.append((seq.shape[1] - plen, rounds))
+            assert rows[("all", label)][key] == pytest.approx(tokens_per_call(pairs)), key
 
 def test_the_bench_names_a_missing_head_a_repeated_head_and_a_missing_recipe(tmp_path):
     recipe = write_recipe(tmp_path / "t.yaml", tmp_path / "hf")
