@@ -60,12 +60,13 @@ RUNS = {"chain": False, "chain+lookup": True}
 
 def _row(counts: list[dict[str, Any]], gamma: int) -> dict[str, Any]:
     n, tokens = sum(c["rounds"] for c in counts), sum(c["answer_tokens"] for c in counts)
-    coverage = {"vocab_coverage": sum(c["in_vocab"] for c in counts) / tokens if tokens else None}
-    coverage.update({f"run:{r}": tokens_per_call([c["runs"][r] for c in counts if "runs" in c]) for r in RUNS})
+    # every row: the answers' coverage by the head's vocabulary and the replayed runs' tokens per target call
+    also = {"vocab_coverage": sum(c["in_vocab"] for c in counts) / tokens if tokens else None,
+            **{f"run:{r}": tokens_per_call([c["runs"][r] for c in counts if "runs" in c]) for r in RUNS}}
     if not n:
-        return {"rounds": 0, "tokens_per_call": None, "accept_at_depth": [None] * gamma, **coverage}
+        return {"rounds": 0, "tokens_per_call": None, "accept_at_depth": [None] * gamma, **also}
     return {"rounds": n, "tokens_per_call": 1 + sum(c["accepted"] for c in counts) / n,
-            "accept_at_depth": [sum(c["at_depth"][k] for c in counts) / n for k in range(gamma)], **coverage}
+            "accept_at_depth": [sum(c["at_depth"][k] for c in counts) / n for k in range(gamma)], **also}
 
 
 def window_answers(spec: str) -> tuple[str, list[tuple[torch.Tensor, int]]]:
