@@ -24,7 +24,7 @@ from toolchain.bench.prompts import BenchError, encode, load_prompts
 from toolchain.bench.replay import head_distribution, replay_chain, tokens_per_call
 from toolchain.runtime.policies.chain import EXTEND_AT, EXTEND_ROWS
 from toolchain.train.draft import teacher_states
-from toolchain.train.head import HEAD_FILE, cached_answers, draft_chains, drafts_accepted, greedy_tokens
+from toolchain.train.head import cached_answers, draft_chains, drafts_accepted, greedy_tokens
 
 
 def prompt_sets(spec: str) -> dict[str, str]:
@@ -136,8 +136,3 @@ def table_rows(per: dict[tuple[str, str], list[dict[str, Any]]], sets: list[str]
             row["vs_first"] = tpc / first if tpc is not None and first else None
             rows.append(row)
     return rows
-
-
-def head_weights(path: Path) -> Path:
-    """A head's safetensors: the path itself, or the file inside a folder `mobc train draft --kind head` wrote."""
-    return path / HEAD_FILE if path.is_dir() else path

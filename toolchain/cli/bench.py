@@ -458,10 +458,10 @@ def bench_head(
 ) -> None:
     """Draft heads side by side, teacher-forced on the target's greedy answers: the tokens per target call a
     chain run (no lookup) would reach, per prompt set, in minutes and with no compile."""
-    from toolchain.bench.head import head_weights, measure, window_answers
+    from toolchain.bench.head import measure, window_answers
     from toolchain.bench.prompts import load_prompts
     from toolchain.compile.head import load_head
-    from toolchain.train.head import load_target
+    from toolchain.train.head import head_weights, load_target
 
     if not recipe.is_file():
         raise MobcError(f"{recipe}: no such recipe; give the target's recipe with --recipe")

@@ -34,7 +34,9 @@ def train_draft(
                                   help="also distill on this many windows of the target's own greedy continuations "
                                        "of stdlib prompts (on-policy data; what speculative decoding is judged on)"),
     init: Path | None = typer.Option(None, "--init", help="continue distilling a draft this command saved "
-                                                           "(--layers is then taken from it)"),
+                                                           "(--layers is then taken from it; --kind head: a head "
+                                                           "folder or its head.safetensors, whose layer count and "
+                                                           "draft vocabulary it keeps)"),
     recipe_out: Path | None = typer.Option(None, "--recipe-out", help="also write a recipe compiling the draft"),
     kind: str = typer.Option("layers", "--kind", help="layers: the target's first layers + a lens (an HF model); "
                              "head: a feature-level draft head (EAGLE-style, one layer over the target's features)"),
@@ -101,7 +103,7 @@ def train_draft(
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
                     until_end_of_turn=until_end_of_turn, weight_decay=weight_decay, extra_held_out=extra_held_out,
-                    head_layers=head_layers, checkpoint=checkpoint, dropout=dropout)
+                    head_layers=head_layers, checkpoint=checkpoint, dropout=dropout, init=init)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -146,8 +148,15 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 teacher_cache: Path | None, until_end_of_turn: bool = False,
                 weight_decay: float | None = None, extra_held_out: int | None = None,
                 head_layers: int | None = None, checkpoint: Path | None = None,
-                dropout: float | None = None) -> None:
-    from toolchain.train.head import HEAD_FILE, HeadConfig, generate_onpolicy, held_out_table, train_head
+                dropout: float | None = None, init: Path | None = None) -> None:
+    from toolchain.train.head import (
+        HEAD_FILE,
+        HeadConfig,
+        generate_onpolicy,
+        head_weights,
+        held_out_table,
+        train_head,
+    )
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch,
@@ -157,7 +166,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
                      teacher_cache=str(teacher_cache) if teacher_cache else None, until_end_of_turn=until_end_of_turn,
-                     checkpoint=str(checkpoint) if checkpoint else None,
+                     checkpoint=str(checkpoint) if checkpoint else None, init=str(init) if init else None,
                      **{k: v for k, v in given.items() if v is not None})
     if steps is not None and (minutes is not None or generate_only or steps < 1):
         raise MobcError(f"--steps {steps}: give N >= 1 training steps, without --minutes (the steps replace the time "
@@ -198,9 +207,16 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                         "--minutes budget, and not with --generate-only)")
     if not 0.0 <= cfg.dropout < 0.5:
         raise MobcError(f"--dropout {cfg.dropout}: give a rate from 0 (none) to below 0.5 (0.05-0.2 is usual)")
-    for option, value in (("--head-layers", head_layers), ("--dropout", dropout)):
+    for option, value in (("--head-layers", head_layers), ("--dropout", dropout), ("--init", init)):
         if value is not None and generate_only:
             raise MobcError(f"{option}: it shapes the trained head; --generate-only trains nothing")
+    if init is not None:
+        if not head_weights(init).is_file():
+            raise MobcError(f"--init {init}: no head there; give a head folder or head.safetensors this command "
+                            "wrote (assets/heads/ ships some)")
+        if head_layers is not None:
+            raise MobcError(f"--head-layers {head_layers}: --init {init} goes on training that head, with its "
+                            "own layer count; drop --head-layers")
     if cfg.self_chat < 0:
         raise MobcError(f"--self-chat {cfg.self_chat}: give a count >= 0")
     if generate_only:

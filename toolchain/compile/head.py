@@ -44,8 +44,9 @@ class HeadError(MobcError):
     """The head's weights do not fit the recipe's target."""
 
 
-def load_head(target: Any, weights: Path) -> DraftHead:
-    """The trained head for `target` from the safetensors `mobc train draft --kind head` wrote."""
+def load_head(target: Any, weights: Path, dropout: float = 0.0) -> DraftHead:
+    """The trained head for `target` from the safetensors `mobc train draft --kind head` wrote (in eval mode;
+    `dropout` for a training that goes on from it)."""
     from safetensors.torch import load_file
 
     if not weights.is_file():
@@ -57,7 +58,7 @@ def load_head(target: Any, weights: Path) -> DraftHead:
     layers = saved_layers(tensors)
     if layers == 0:
         raise HeadError(f"{weights} holds no head layer tensors: not a file `mobc train draft --kind head` wrote")
-    head = DraftHead(target, tensors.pop("vocab_ids").long(), init_layer=None, layers=layers)
+    head = DraftHead(target, tensors.pop("vocab_ids").long(), init_layer=None, layers=layers, dropout=dropout)
     try:
         load_head_tensors(head, tensors)
     except RuntimeError as exc:

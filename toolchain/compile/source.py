@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolchain.artifact.integrity import sha256_path
 from toolchain.compile.recipe import SourceSpec
 from toolchain.compile.weight_store import WeightStore
 from toolchain.errors import SourceError, UnsupportedModelError
@@ -79,19 +80,11 @@ class LoadedModel:
         return self.config.model_type
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fingerprint_files(files: list[Path]) -> str:
     h = hashlib.sha256()
     for f in sorted(files):
         h.update(f.name.encode())
-        h.update(sha256_file(f).encode())
+        h.update(sha256_path(f).encode())
     return h.hexdigest()
 
 

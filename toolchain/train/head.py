@@ -22,7 +22,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from toolchain.artifact.integrity import sha256_path
 from toolchain.atomic import atomic_file
 from toolchain.bench.prompts import ChatPrompt, encode
 from toolchain.train import corpus, onpolicy
@@ -98,6 +99,8 @@ class HeadConfig:
     until_end_of_turn: bool = False  # train each window only up to where the target would end its answer (its
     # greedy next token is end-of-turn): the answers were generated past it (min_new_tokens), text no run decodes
     checkpoint: str | None = None  # file keeping the training's state every checkpoint_seconds; a rerun resumes it
+    init: str | None = None  # a head this command saved: training goes on from its weights and draft vocabulary
+    # (its layer count; a fresh optimizer and this run's lr schedule), so a head can improve over several stops
     checkpoint_seconds: float = 600.0
 
 
@@ -578,6 +581,21 @@ def new_head(target: Any, tok: Any, windows: torch.Tensor, draft_vocab: int, lay
     return head
 
 
+def head_weights(path: Path) -> Path:
+    """A head's safetensors: the path itself, or the file inside a folder this command wrote."""
+    return path / HEAD_FILE if path.is_dir() else path
+
+
+def continued_head(target: Any, weights: Path, dropout: float = 0.0) -> DraftHead:
+    """The saved head at `weights` (a head.safetensors or the folder holding one) to train further: its
+    trained tensors and draft vocabulary, sdpa attention, `dropout` while training."""
+    from toolchain.compile.head import load_head
+
+    head = load_head(target, head_weights(weights), dropout)
+    head.config._attn_implementation = "sdpa"
+    return head
+
+
 def end_of_turn(head: DraftHead, tok: Any, cfg: HeadConfig) -> EndOfTurn:
     """The tokenizer's end-of-turn (its eos) as a draft-vocabulary row; new_head always keeps it."""
     eos = getattr(tok, "eos_token_id", None)
@@ -646,7 +664,12 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
     held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]
                    for k, v in held_sets.items() if len(v)}
-    head = new_head(target, tok, windows, cfg.draft_vocab, cfg.head_layers, cfg.dropout)
+    if cfg.init:
+        head = continued_head(target, Path(cfg.init), cfg.dropout)
+        cfg = replace(cfg, head_layers=len(head.layers), draft_vocab=len(head.vocab_ids))  # as the report says
+        log(f"continuing {cfg.init}: {cfg.head_layers} layers, its draft vocabulary of {cfg.draft_vocab} tokens")
+    else:
+        head = new_head(target, tok, windows, cfg.draft_vocab, cfg.head_layers, cfg.dropout)
     vocab_ids = head.vocab_ids
     e_all = target.get_output_embeddings().weight.detach()
     t_held = greedy_tokens(s_held, e_all)  # the target's greedy next token after each position
@@ -698,13 +721,15 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     config = {**asdict(cfg), "minutes": cfg.minutes if cfg.steps is None else None,  # --steps replaces the budget
               **onpolicy_file_names(cfg),
               "teacher_cache": Path(cfg.teacher_cache).name if cfg.teacher_cache else None,
-              "checkpoint": Path(cfg.checkpoint).name if cfg.checkpoint else None}
+              "checkpoint": Path(cfg.checkpoint).name if cfg.checkpoint else None,
+              "init": Path(cfg.init).name if cfg.init else None}
     report = {"target": name, "target_source": source, "config": config,
               "params_trained": sum(p.numel() for p in head.trainable()), "draft_vocab": len(vocab_ids),
               "vocab_coverage_held_out": coverage, "train_windows": len(windows), "generated_windows": len(gen),
               "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),
               **{key: accepts.get(key) for key in HELD_OUT_SETS}, "app_windows": len(app), "extra_windows": len(extra),
-              "self_chat_requests": len(requests), "seconds": round(time.perf_counter() - t0, 1)}
+              "self_chat_requests": len(requests), "seconds": round(time.perf_counter() - t0, 1),
+              **({"init_sha256": sha256_path(head_weights(Path(cfg.init)))} if cfg.init else {})}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
     if ckpt:
         ckpt.remove()

@@ -13,6 +13,7 @@ from tests.cli_main import run_main
 from toolchain.errors import MobcError
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+SHIPPED_HEAD = RECIPES.parent / "assets" / "heads" / "smollm2-135m"
 
 
 def _gguf_recipe(tmp_path: Path, blob: bytes) -> Path:
@@ -176,7 +177,11 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--dropout", "0.1", "--generate-only", "--onpolicy-cache", "x.pt"),
                          "--dropout: it shapes the trained head"),
                         (("--checkpoint", "c.pt"), "--checkpoint c.pt: a run resumes step for step, so give it "
-                         "with --steps N")):
+                         "with --steps N"),
+                        (("--init", tmp_path / "nohead"), "nohead: no head there"),
+                        (("--init", SHIPPED_HEAD, "--head-layers", "1"), "--head-layers 1: --init"),
+                        (("--init", SHIPPED_HEAD, "--generate-only", "--onpolicy-cache", "x.pt"),
+                         "--init: it shapes the trained head")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)
         assert r.clean_error, r.err
         assert named in r.err
@@ -206,6 +211,7 @@ _EXTRA = ("--onpolicy-extra", RECIPES / "smollm2-135m.yaml")  # a file that exis
     ("extra_held_out", [((*_EXTRA, "--extra-held-out", "8"), 8), ((*_EXTRA, "--extra-held-out", "0"), 0), (_EXTRA, 64)]),
     ("head_layers", [(("--head-layers", "2"), 2), ((), 1)]),
     ("dropout", [(("--dropout", "0.1"), 0.1), ((), 0.0)]),
+    ("init", [(("--init", SHIPPED_HEAD), str(SHIPPED_HEAD)), ((), None)]),
 ])
 def test_head_options_reach_the_head_training(tmp_path, monkeypatch, field, runs):
     """--extra-held-out N, --head-layers N and --dropout P are the HeadConfig the training runs with (defaults
