@@ -28,7 +28,8 @@ def train_draft(
                                      "head on a faster or busier machine)"),
     seq_len: int = typer.Option(256, "--seq-len"),
     batch: int = typer.Option(4, "--batch"),
-    lr: float = typer.Option(2e-4, "--lr"),
+    lr: float | None = typer.Option(None, "--lr", help="peak learning rate (default 2e-4; --kind head: 1e-3, decayed "
+                                    "by a cosine to a tenth)"),
     corpus_tokens: int = typer.Option(65_536, "--corpus-tokens", help="most stdlib tokens the teacher pass covers"),
     generated: int = typer.Option(0, "--generated-windows",
                                   help="also distill on this many windows of the target's own greedy continuations "
@@ -103,7 +104,7 @@ def train_draft(
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
                     until_end_of_turn=until_end_of_turn, weight_decay=weight_decay, extra_held_out=extra_held_out,
-                    head_layers=head_layers, checkpoint=checkpoint, dropout=dropout, init=init)
+                    head_layers=head_layers, checkpoint=checkpoint, dropout=dropout, init=init, lr=lr)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -122,7 +123,8 @@ def train_draft(
     from toolchain.train.draft import DistillConfig
     from toolchain.train.draft import train_draft as run_train
 
-    cfg = DistillConfig(seconds=(minutes or 4.0) * 60, seq_len=seq_len, batch=batch, lr=lr, corpus_tokens=corpus_tokens,
+    cfg = DistillConfig(seconds=(minutes or 4.0) * 60, seq_len=seq_len, batch=batch, lr=2e-4 if lr is None else lr,
+                        corpus_tokens=corpus_tokens,
                         generated_windows=generated, init=str(init) if init else None)
     report = run_train(recipe, out, layers, cfg, log=log)
     console.print(f"[bold green]draft[/] {out}: {report['params'] / 1e6:.1f}M params, layers {report['config']['layers']}, "
@@ -148,7 +150,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 teacher_cache: Path | None, until_end_of_turn: bool = False,
                 weight_decay: float | None = None, extra_held_out: int | None = None,
                 head_layers: int | None = None, checkpoint: Path | None = None,
-                dropout: float | None = None, init: Path | None = None) -> None:
+                dropout: float | None = None, init: Path | None = None, lr: float | None = None) -> None:
     from toolchain.train.head import (
         HEAD_FILE,
         HeadConfig,
@@ -161,7 +163,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch,
              "weight_decay": weight_decay, "extra_held_out": extra_held_out, "head_layers": head_layers,
-             "dropout": dropout}
+             "dropout": dropout, "lr": lr}
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
@@ -205,6 +207,9 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
     if checkpoint is not None and (steps is None or generate_only):
         raise MobcError(f"--checkpoint {checkpoint}: a run resumes step for step, so give it with --steps N (not a "
                         "--minutes budget, and not with --generate-only)")
+    if not 0.0 < cfg.lr < 0.1:
+        raise MobcError(f"--lr {cfg.lr}: give a learning rate above 0 and below 0.1 (1e-3 trains a head from scratch, "
+                        "a few 1e-4 goes on from one with --init)")
     if not 0.0 <= cfg.dropout < 0.5:
         raise MobcError(f"--dropout {cfg.dropout}: give a rate from 0 (none) to below 0.5 (0.05-0.2 is usual)")
     for option, value in (("--head-layers", head_layers), ("--dropout", dropout), ("--init", init)):

@@ -179,6 +179,7 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--checkpoint", "c.pt"), "--checkpoint c.pt: a run resumes step for step, so give it "
                          "with --steps N"),
                         (("--init", tmp_path / "nohead"), "nohead: no head there"),
+                        (("--lr", "0"), "--lr 0.0: give a learning rate above 0"),
                         (("--init", SHIPPED_HEAD, "--head-layers", "1"), "--head-layers 1: --init"),
                         (("--init", SHIPPED_HEAD, "--generate-only", "--onpolicy-cache", "x.pt"),
                          "--init: it shapes the trained head")):
@@ -212,6 +213,7 @@ _EXTRA = ("--onpolicy-extra", RECIPES / "smollm2-135m.yaml")  # a file that exis
     ("head_layers", [(("--head-layers", "2"), 2), ((), 1)]),
     ("dropout", [(("--dropout", "0.1"), 0.1), ((), 0.0)]),
     ("init", [(("--init", SHIPPED_HEAD), str(SHIPPED_HEAD)), ((), None)]),
+    ("lr", [(("--lr", "3e-4"), 3e-4), ((), 1e-3)]),
 ])
 def test_head_options_reach_the_head_training(tmp_path, monkeypatch, field, runs):
     """--extra-held-out N, --head-layers N and --dropout P are the HeadConfig the training runs with (defaults

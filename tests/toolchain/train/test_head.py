@@ -327,7 +327,7 @@ def test_init_goes_on_training_the_saved_head_with_its_layers_and_vocabulary(tmp
     recipe = write_recipe(tmp_path / "t.yaml", hf)
     cfg = HeadConfig(steps=12, corpus_tokens=4096, generated_windows=2, held_out_windows=1, seq_len=64, prompt_len=16,
                      answer_batch=8, draft_vocab=64, head_layers=2, onpolicy_cache=str(tmp_path / "gen.pt"))
-    first = train_head(recipe, tmp_path / "first", cfg, log=lambda _m: None)
+    train_head(recipe, tmp_path / "first", cfg, log=lambda _m: None)
     more = HeadConfig(**{**cfg.__dict__, "steps": 3, "draft_vocab": 32, "head_layers": 1,
                          "init": str(tmp_path / "first")})
     lines: list[str] = []
