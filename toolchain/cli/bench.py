@@ -456,8 +456,9 @@ def bench_head(
                                       "the heads over-fit; repeatable)"),
     json_out: Path | None = typer.Option(None, "--json"),
 ) -> None:
-    """Draft heads side by side, teacher-forced on the target's greedy answers: the tokens per target call a
-    chain run (no lookup) would reach, per prompt set, in minutes and with no compile."""
+    """Draft heads side by side on the target's greedy answers, per prompt set, in minutes and with no compile:
+    tokens per target call teacher-forced from every answer position, and as a chain run and a chain+lookup
+    run would reach them (each answer replayed with the runtime's own rules)."""
     from toolchain.bench.head import measure, window_answers
     from toolchain.bench.prompts import load_prompts
     from toolchain.compile.head import load_head
