@@ -58,6 +58,18 @@ def test_a_bf16_teacher_pass_runs_in_bf16_and_stays_close_to_fp32():
     assert kept.dtype == torch.float16 and torch.equal(kept, fp32.half())  # kept as asked, the same pass
 
 
+def test_a_teacher_pass_says_how_far_it_got_as_it_goes():
+    teacher = tiny_model("llama").eval()
+    windows = torch.randint(0, teacher.config.vocab_size, (5, 16), generator=torch.Generator().manual_seed(0))
+    lines: list[str] = []
+    teacher_states(teacher, windows, float("inf"), 2, log=lines.append, progress_every=0.0)
+    assert [m.split(" (")[0] for m in lines[:-1]] == ["teacher pass: 2/5 windows", "teacher pass: 4/5 windows"]
+    assert lines[-1].startswith("teacher pass: 5 windows")  # the closing line, once
+    quiet: list[str] = []
+    teacher_states(teacher, windows, float("inf"), 2, log=quiet.append)
+    assert len(quiet) == 1  # a pass of under a minute says only how it ended
+
+
 def held_out_kl(readout: _Readout, windows: torch.Tensor, states: torch.Tensor) -> float:
     """Mean KL(target || draft) over every position of held-out windows (the distillation objective)."""
     with torch.no_grad():
