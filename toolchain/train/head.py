@@ -664,7 +664,9 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
     held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]
                    for k, v in held_sets.items() if len(v)}
-    if cfg.init:
+    init_sha256 = None
+    if cfg.init:  # hashed as read: with --out the same folder, the file is the new head by the report's time
+        init_sha256 = sha256_path(head_weights(Path(cfg.init)))
         head = continued_head(target, Path(cfg.init), cfg.dropout)
         cfg = replace(cfg, head_layers=len(head.layers), draft_vocab=len(head.vocab_ids))  # as the report says
         log(f"continuing {cfg.init}: {cfg.head_layers} layers, its draft vocabulary of {cfg.draft_vocab} tokens")
@@ -729,7 +731,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
               "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),
               **{key: accepts.get(key) for key in HELD_OUT_SETS}, "app_windows": len(app), "extra_windows": len(extra),
               "self_chat_requests": len(requests), "seconds": round(time.perf_counter() - t0, 1),
-              **({"init_sha256": sha256_path(head_weights(Path(cfg.init)))} if cfg.init else {})}
+              **({"init_sha256": init_sha256} if cfg.init else {})}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
     if ckpt:
         ckpt.remove()

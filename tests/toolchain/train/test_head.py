@@ -328,18 +328,19 @@ def test_init_goes_on_training_the_saved_head_with_its_layers_and_vocabulary(tmp
     cfg = HeadConfig(steps=12, corpus_tokens=4096, generated_windows=2, held_out_windows=1, seq_len=64, prompt_len=16,
                      answer_batch=8, draft_vocab=64, head_layers=2, onpolicy_cache=str(tmp_path / "gen.pt"))
     train_head(recipe, tmp_path / "first", cfg, log=lambda _m: None)
+    saved, saved_sha = load_file(tmp_path / "first" / HEAD_FILE), sha256_path(tmp_path / "first" / HEAD_FILE)
     more = HeadConfig(**{**cfg.__dict__, "steps": 3, "draft_vocab": 32, "head_layers": 1,
                          "init": str(tmp_path / "first")})
     lines: list[str] = []
-    went_on = train_head(recipe, tmp_path / "more", more, log=lines.append)
-    saved, continued = load_file(tmp_path / "first" / HEAD_FILE), load_file(tmp_path / "more" / HEAD_FILE)
+    went_on = train_head(recipe, tmp_path / "first", more, log=lines.append)  # in place: --out is --init's folder
+    continued = load_file(tmp_path / "first" / HEAD_FILE)
     assert torch.equal(continued["vocab_ids"], saved["vocab_ids"]) and continued.keys() == saved.keys()
     assert went_on["draft_vocab"] == 64 and went_on["config"]["head_layers"] == 2
     # three AdamW steps at lr 1e-3 move each weight by a few thousandths from the saved head's
     drift = max(float((continued[k].float() - saved[k].float()).abs().max()) for k in saved if k != "vocab_ids")
     assert drift < 0.01
     assert went_on["config"]["init"] == "first"
-    assert went_on["init_sha256"] == sha256_path(tmp_path / "first" / HEAD_FILE)
+    assert went_on["init_sha256"] == saved_sha  # the head it went on from, not the one it wrote over it
     assert any("continuing" in m and "2 layers" in m for m in lines)
 
 
