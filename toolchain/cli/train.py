@@ -84,7 +84,8 @@ def train_draft(
                                               "answers, hold out N evenly spaced windows (at most a quarter; default "
                                               "64) for the report's held-out set of the extra rounds; 0 trains on all"),
     head_layers: int | None = typer.Option(None, "--head-layers", help="head: decoder layers of the target's class "
-                                           "in the head (default 1; each costs what one of the target's layers does)"),
+                                           "in the head (default 1; each costs what one of the target's layers does; "
+                                           "with --init, more than the saved head's grows it)"),
     dropout: float | None = typer.Option(None, "--dropout", help="head: dropout on the head's layer inputs and "
                                          "attention weights while training (default 0: none)"),
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="head, with --steps: file keeping the "
@@ -159,6 +160,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
         held_out_table,
         train_head,
     )
+    from toolchain.train.head_model import layers_in
 
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch,
@@ -219,9 +221,14 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
         if not head_weights(init).is_file():
             raise MobcError(f"--init {init}: no head there; give a head folder or head.safetensors this command "
                             "wrote (assets/heads/ ships some)")
-        if head_layers is not None:
-            raise MobcError(f"--head-layers {head_layers}: --init {init} goes on training that head, with its "
-                            "own layer count; drop --head-layers")
+        try:
+            saved = layers_in(head_weights(init))
+        except Exception as exc:  # safetensors' own errors name no fix
+            raise MobcError(f"--init {init}: not a head this command wrote ({exc}); give a head folder or its "
+                            "head.safetensors") from exc
+        if head_layers is not None and head_layers < saved:
+            raise MobcError(f"--head-layers {head_layers}: --init {init} has {saved} layers and goes on training all "
+                            f"of them; give --head-layers {saved} or more (more grows the head) or drop it")
     if cfg.self_chat < 0:
         raise MobcError(f"--self-chat {cfg.self_chat}: give a count >= 0")
     if generate_only:

@@ -36,7 +36,7 @@ from toolchain.bench.prompts import ChatPrompt, encode
 from toolchain.train import corpus, onpolicy
 from toolchain.train.checkpoint import Checkpoint
 from toolchain.train.draft import DraftTrainError, target_continuations, teacher_states, token_windows
-from toolchain.train.head_model import DraftHead, chain_mask, save_head
+from toolchain.train.head_model import DraftHead, chain_mask, grow, save_head
 from toolchain.train.loop import cosine_by_steps, cosine_by_time, timed_adamw_loop
 
 HEAD_FILE = "head.safetensors"
@@ -100,7 +100,8 @@ class HeadConfig:
     # greedy next token is end-of-turn): the answers were generated past it (min_new_tokens), text no run decodes
     checkpoint: str | None = None  # file keeping the training's state every checkpoint_seconds; a rerun resumes it
     init: str | None = None  # a head this command saved: training goes on from its weights and draft vocabulary
-    # (its layer count; a fresh optimizer and this run's lr schedule), so a head can improve over several stops
+    # (its layer count, or head_layers if more: grown; a fresh optimizer and this run's lr schedule), so a head
+    # can improve over several stops
     checkpoint_seconds: float = 600.0
 
 
@@ -664,12 +665,16 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
     s_held, _ = teacher_states(target, gen_held, float("inf"), cfg.batch, log)
     held_states = {k: teacher_states(target, v, float("inf"), cfg.batch, log)[0]
                    for k, v in held_sets.items() if len(v)}
-    init_sha256 = None
+    init_sha256, saved = None, 0
     if cfg.init:  # hashed as read: with --out the same folder, the file is the new head by the report's time
         init_sha256 = sha256_path(head_weights(Path(cfg.init)))
         head = continued_head(target, Path(cfg.init), cfg.dropout)
+        saved = len(head.layers)
+        grown = grow(head, cfg.head_layers)  # the CLI refuses fewer layers than saved; the default (1) keeps them
         cfg = replace(cfg, head_layers=len(head.layers), draft_vocab=len(head.vocab_ids))  # as the report says
-        log(f"continuing {cfg.init}: {cfg.head_layers} layers, its draft vocabulary of {cfg.draft_vocab} tokens")
+        log(f"continuing {cfg.init}: {cfg.head_layers} layers"
+            + (f" ({saved} saved, {grown} appended as the identity)" if grown else "")
+            + f", its draft vocabulary of {cfg.draft_vocab} tokens")
     else:
         head = new_head(target, tok, windows, cfg.draft_vocab, cfg.head_layers, cfg.dropout)
     vocab_ids = head.vocab_ids
@@ -731,7 +736,7 @@ def train_head(recipe_path: Path, out_dir: Path, cfg: HeadConfig, log: Callable[
               "steps": res.steps, "loss_first": res.first(10), "loss_last": res.last(10),
               **{key: accepts.get(key) for key in HELD_OUT_SETS}, "app_windows": len(app), "extra_windows": len(extra),
               "self_chat_requests": len(requests), "seconds": round(time.perf_counter() - t0, 1),
-              **({"init_sha256": init_sha256} if cfg.init else {})}
+              **({"init_sha256": init_sha256, "init_layers": saved} if cfg.init else {})}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
     if ckpt:
         ckpt.remove()

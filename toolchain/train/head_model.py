@@ -93,6 +93,28 @@ class DraftHead(nn.Module):
         return x
 
 
+def grow(head: DraftHead, layers: int) -> int:
+    """Append layers to `head` until it has `layers`, each starting as the identity: a copy of the head's last
+    layer with its attention and MLP output projections zeroed, so the grown head drafts exactly as before and
+    training moves it from there (a fresh layer would throw away what the saved ones learned). Returns how
+    many were added."""
+    added = layers - len(head.layers)
+    if added <= 0:
+        return 0
+    head.config.num_hidden_layers = layers
+    if getattr(head.config, "layer_types", None):
+        head.config.layer_types = ["full_attention"] * layers
+    layer_cls, last = type(head.layers[-1]), head.layers[-1].state_dict()
+    for i in range(len(head.layers), layers):
+        layer = layer_cls(head.config, layer_idx=i).to(next(head.layers[-1].parameters()).dtype)
+        layer.load_state_dict(last)
+        with torch.no_grad():
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head.layers.append(layer.train(head.training))
+    return added
+
+
 def chain_mask(t: int, steps: int) -> torch.Tensor:
     """The additive attention mask of `steps` blocks of t rows drafting a chain from every start at once.
 
@@ -122,6 +144,14 @@ def saved_layers(names: Any) -> int:
     if any(k.startswith("layer.") for k in names):
         return 1
     return len({k.split(".")[1] for k in names if k.startswith("layers.")})
+
+
+def layers_in(path: Any) -> int:
+    """How many layers the head saved at `path` (a head.safetensors) holds, read from its tensor names only."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return saved_layers(f.keys())
 
 
 def save_head(head: DraftHead, path: Any) -> None:

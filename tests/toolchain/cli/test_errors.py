@@ -149,6 +149,7 @@ def test_case13_hub_compile_on_a_folder_that_is_not_an_artifact(tmp_path, monkey
 def test_head_training_shares_are_checked_before_any_work(tmp_path):
     """A budget share that leaves the teacher pass and the training nothing is refused at once."""
     out = tmp_path / "head"
+    (junk := tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
     for args, named in ((("--app-share", "0.9"), "--app-share 0.9"), (("--self-chat", "-1"), "--self-chat -1"),
                         (("--unroll", "0"), "--unroll 0"), (("--precision", "fp16"), "--precision 'fp16'"),
                         (("--answer-batch", "0"), "--answer-batch 0"), (("--generate-only",), "--onpolicy-cache FILE"),
@@ -180,7 +181,9 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                          "with --steps N"),
                         (("--init", tmp_path / "nohead"), "nohead: no head there"),
                         (("--lr", "0"), "--lr 0.0: give a learning rate above 0"),
-                        (("--init", SHIPPED_HEAD, "--head-layers", "1"), "--head-layers 1: --init"),
+                        (("--init", SHIPPED_HEAD, "--head-layers", "1"), "--head-layers 1: --init "
+                         f"{SHIPPED_HEAD} has 2 layers"),
+                        (("--init", junk), "junk.safetensors: not a head this command wrote"),
                         (("--init", SHIPPED_HEAD, "--generate-only", "--onpolicy-cache", "x.pt"),
                          "--init: it shapes the trained head")):
         r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--out", out, *args)

@@ -36,7 +36,7 @@ from toolchain.train.head import (
     training_loss,
     vocab_coverage,
 )
-from toolchain.train.head_model import DraftHead
+from toolchain.train.head_model import DraftHead, grow
 from toolchain.train.onpolicy import self_chat_requests
 
 
@@ -342,6 +342,36 @@ def test_init_goes_on_training_the_saved_head_with_its_layers_and_vocabulary(tmp
     assert went_on["config"]["init"] == "first"
     assert went_on["init_sha256"] == saved_sha  # the head it went on from, not the one it wrote over it
     assert any("continuing" in m and "2 layers" in m for m in lines)
+    grown = train_head(recipe, tmp_path / "grown", HeadConfig(**{**more.__dict__, "head_layers": 3}),
+                       log=lambda _m: None)
+    assert grown["config"]["head_layers"] == 3 and grown["init_layers"] == 2
+    assert load_head(target_of(hf), tmp_path / "grown" / HEAD_FILE).config.num_hidden_layers == 3
+
+
+def target_of(hf):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf).float().eval()
+
+
+def test_a_grown_head_drafts_as_before_and_its_new_layer_learns(tmp_path):
+    """grow appends layers that start as the identity: the same features out, so the same drafts, and the
+    new layer's output projections get gradients (a zeroed layer that could not learn would stay dead)."""
+    target = target_of(save_tiny(tmp_path / "hf", "llama"))
+    torch.manual_seed(0)
+    head = DraftHead(target, torch.arange(64), init_layer=-1, layers=2).eval()
+    windows = torch.randint(0, 64, (2, 16))
+    states = torch.randn(2, 16, target.config.hidden_size)
+    positions = torch.arange(16)[None].expand(2, -1)
+    before = head.forward_train(states, windows, positions, normalized=False)
+    assert grow(head, 3) == 1 and grow(head, 2) == 0 and len(head.layers) == 3
+    assert head.config.num_hidden_layers == 3
+    after = head.forward_train(states, windows, positions, normalized=False)
+    assert torch.allclose(before, after, atol=1e-6)
+    new = head.layers[2]
+    assert not torch.equal(new.self_attn.q_proj.weight, torch.zeros_like(new.self_attn.q_proj.weight))
+    head.logits(after).logsumexp(-1).sum().backward()
+    assert new.self_attn.o_proj.weight.grad.abs().max() > 0 and new.mlp.down_proj.weight.grad.abs().max() > 0
 
 
 def test_bf16_training_runs_the_loss_in_bf16_close_to_fp32(tmp_path):
