@@ -154,6 +154,12 @@ class LookupDraft:
         self.proposals += 1
         return blend(logits, prop, confidence(prop.match), (z, lse)), prop
 
+    def lookup_run(self, unheard: Sequence[int], min_match: int, most: int) -> list[int]:
+        """Up to `most` tokens of the context's own continuation after the text plus `unheard` (tokens
+        the draft has not run yet), when the suffix matches at least `min_match` tokens; else []."""
+        prop = propose([*self.tokens, *unheard], max(min_match, self.min_match), self.max_match, most - 1)
+        return [prop.token, *prop.after] if prop else []
+
     def blended(self, logits: np.ndarray, context: Sequence[int]) -> np.ndarray:
         return self.proposed(logits, context)[0]
 

@@ -13,7 +13,7 @@ from tests.toolchain.head_fixtures import (
     target_hidden,
     tiny_head_world,
 )
-from toolchain.errors import ArtifactError
+from toolchain.errors import ArtifactError, MobcError
 from toolchain.runtime.head_draft import HeadDraft
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies import make_policy
@@ -277,3 +277,35 @@ def test_lookup_proposals_keep_ars_tokens_track_the_draft_cache_and_raise_accept
             assert pol.draft.proposals > 0
     if policy != "ahasd":  # ahasd verifies whatever is staged when its deadline passes: timing decides
         assert accepted[f"{policy}+lookup"] > accepted[policy] + 3, accepted
+
+
+def test_lookup_runs_draft_a_repeat_without_head_calls_and_keep_ars_tokens(world):
+    """chain+lookup:runs=M drafts a long context match's continuation at once: ar's tokens, fewer head
+    calls than chain+lookup, and the head's cache text stays a prefix of the committed text (the run's
+    tokens are heard in one call the next round)."""
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    ar = make_policy("ar", target)
+    ids = tiny_tokenizer()(PROMPTS[0]).input_ids
+    want = generate(ar, ids, 12)
+    ids = ids + want + want  # the continuation repeats itself
+    want = generate(ar, ids, 16)
+    calls, accepted = {}, {}
+    for name in ("chain+lookup", "chain+lookup:runs=3"):
+        head = HeadDraft(StepModel(head_dir), target)
+        pol = make_policy(name, target, head, gamma=3)
+        out: list[int] = []
+        for chunk in pol.generate(ids, 16, Sampler()):
+            out += chunk
+            assert pol.draft.tokens == head.tokens == (ids + out)[: head.length]
+        assert out == want, name
+        calls[name], accepted[name] = sum(head.calls.values()), sum(pol.stats.accepted)
+    assert calls["chain+lookup:runs=3"] < calls["chain+lookup"], calls
+    assert accepted["chain+lookup:runs=3"] >= accepted["chain+lookup"] - 1, accepted
+
+
+def test_lookup_runs_need_lookup(world):
+    _, target_dir, head_dir = world
+    target = StepModel(target_dir)
+    with pytest.raises(MobcError, match=r"runs=3 drafts context-lookup runs: use chain\+lookup"):
+        make_policy("chain:runs=3", target, HeadDraft(StepModel(head_dir), target))

@@ -93,6 +93,8 @@ def test_a_confident_draft_fills_the_verify_graphs_free_rows(artifacts):
     ("chain:extend=x", "not 'x'"),
     ("chain:rows=1", "rows needs a whole number of rows, at least 2 (rows=32), not '1'"),
     ("chain:rows=2.5", "not '2.5'"),
+    ("chain+lookup:runs=1", "runs needs a whole number of tokens, 0 or at least 2 (runs=5), not '1'"),
+    ("chain+lookup:runs=-2", "not '-2'"),
     ("ar:extend=0.5", "ar has no setting 'extend'; its settings: none"),
     ("lever+lookup:extend=0.5", "lever has no setting 'extend'"),
 ])

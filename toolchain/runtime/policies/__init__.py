@@ -57,7 +57,7 @@ def make_policy(name: str, target: StepModel, draft: StepModel | None = None, ga
         raise MobcError(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *LAZY_POLICIES])}")
     if name == "chain":
         return Chain(target, draft, gamma=gamma, extend_at=options.get("extend_at", EXTEND_AT),
-                     extend_rows=options.get("extend_rows", EXTEND_ROWS))
+                     extend_rows=options.get("extend_rows", EXTEND_ROWS), run_match=options.get("run_match", 0))
     return POLICIES[name](target, draft)
 
 
@@ -86,6 +86,13 @@ def _rows(value: str) -> int:
     return number
 
 
+def _match(value: str) -> int:
+    number = int(value)
+    if number == 1 or number < 0:
+        raise ValueError(value)
+    return number
+
+
 SETTINGS = {
     "extend": Setting(frozenset({"chain"}), "extend_at", f"draft past gamma while the draft's token probability is "
                       f"at least this (default {EXTEND_AT}; 1 = never: exactly gamma drafts per round)",
@@ -93,6 +100,9 @@ SETTINGS = {
     "rows": Setting(frozenset({"chain"}), "extend_rows", f"the most rows a round that drafts past gamma may verify "
                     f"at once (default {EXTEND_ROWS}; the widest compiled graph of at most this many)",
                     "a whole number of rows, at least 2 (rows=32)", _rows),
+    "runs": Setting(frozenset({"chain"}), "run_match", "with +lookup: a context match of at least this many tokens "
+                    "drafts the text that followed it, the round's remaining drafts at once, with no draft call "
+                    "(default 0: never)", "a whole number of tokens, 0 or at least 2 (runs=5)", _match),
 }
 
 

@@ -35,7 +35,7 @@ class Chain(Policy):
     name = "chain"
 
     def __init__(self, target: StepModel, draft: StepModel | None = None, gamma: int = 4,
-                 extend_at: float = EXTEND_AT, extend_rows: int = EXTEND_ROWS):
+                 extend_at: float = EXTEND_AT, extend_rows: int = EXTEND_ROWS, run_match: int = 0):
         if draft is None:
             raise MobcError("policy chain needs a draft model: pass --draft <artifact folder>")
         if draft.vocab != target.vocab:
@@ -53,6 +53,12 @@ class Chain(Policy):
         # confident drafts past gamma fill up to these rows; extend_at >= 1 turns that off (a probability
         # can round to exactly 1.0, so the comparison alone would not)
         self.max_drafts = rows - 1 if extend_at < 1 else gamma
+        # a context-lookup match of at least run_match tokens drafts the text that followed it there, the
+        # round's remaining drafts at once, with no draft call (0: never); the draft hears those tokens
+        # in one call next round, with the target's features where they were accepted
+        self.run_match = run_match
+        if run_match and not hasattr(draft, "lookup_run"):
+            raise MobcError(f"chain's runs={run_match} drafts context-lookup runs: use chain+lookup")
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampler: Sampler) -> Iterator[list[int]]:
         assert self.draft is not None
@@ -83,9 +89,19 @@ class Chain(Policy):
                 qs: list[np.ndarray | None] = []
                 feed = todo
                 confident = True
+                fed = 0  # how many of todo + drafts the draft has consumed
                 while len(drafts) < g or (confident and len(drafts) < g_max):
-                    for tok in feed:  # width-1 calls: todo has 1-2 tokens, a prefill graph would waste
-                        logits = draft.feed([tok])
+                    run = self._run(draft, feed, g - len(drafts), g_max - len(drafts), sampler)
+                    if run:
+                        drafts += run
+                        qs += [None] * len(run)
+                        break
+                    if len(feed) <= 2:  # width-1 calls: a wider graph would waste its rows
+                        for tok in feed:
+                            logits = draft.feed([tok])
+                    else:  # what a lookup run left unheard: one call
+                        logits = draft.feed(feed)
+                    fed += len(feed)
                     q = sampler.probs(logits) if not sampler.greedy else None
                     drafts.append(int(np.argmax(logits)) if q is None else sampler.sample(q))
                     qs.append(q)
@@ -95,13 +111,12 @@ class Chain(Policy):
                 k, nxt = accept_chain(v_logits, drafts, qs, sampler)
                 target.commit(range(k + 1))
                 self.stats.accepted.append(k)
-                # the draft consumed todo + drafts[:-1]; keep only what the target accepted
-                g = len(drafts)
-                if k < g:
-                    draft.truncate(base + len(todo) + k)
-                    todo = [nxt]
-                else:
-                    todo = [drafts[-1], nxt]
+                # the draft consumed `fed` of todo + drafts (all but the last draft, or up to a lookup run);
+                # keep only what the target accepted, and feed it the accepted text it has not heard
+                keep = min(fed, len(todo) + k)
+                if fed > keep:
+                    draft.truncate(base + keep)
+                todo = [*todo, *drafts][keep : len(todo) + k] + [nxt]
                 new, stop = self._clip([*drafts[:k], nxt], max_new_tokens - n)
                 n += len(new)
                 self.stats.tokens = n
@@ -111,3 +126,11 @@ class Chain(Policy):
                     return
         finally:
             self._finish()
+
+    def _run(self, draft, feed: list[int], least: int, most: int, sampler: Sampler) -> list[int] | None:
+        """The context-lookup run to draft instead of calling the draft (greedy only: a run has no
+        distribution to sample against), when its match is long enough and it fills the round to gamma."""
+        if not self.run_match or not sampler.greedy:
+            return None
+        run = draft.lookup_run(feed, self.run_match, most)
+        return run if run and len(run) >= least else None
