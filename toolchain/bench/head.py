@@ -22,7 +22,7 @@ import torch
 
 from toolchain.bench.prompts import BenchError, encode, load_prompts
 from toolchain.bench.replay import head_distribution, replay_chain, tokens_per_call
-from toolchain.runtime.policies.chain import EXTEND_AT, EXTEND_ROWS
+from toolchain.runtime.policies.chain import EXTEND_AT, EXTEND_ROWS, RUN_MATCH
 from toolchain.train.draft import teacher_states
 from toolchain.train.head import cached_answers, draft_chains, drafts_accepted, greedy_tokens
 
@@ -111,7 +111,8 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
                 counts = _counts(drafts_accepted(chains[:, :gamma], greedy, plen, gamma))
                 dist = head_distribution(head, hidden[0])
                 counts["runs"] = {r: (seq.shape[1] - plen, replay_chain(seq[0], plen, chains[0], dist, head.vocab_ids,
-                                                                        gamma, EXTEND_AT, EXTEND_ROWS - 1, lookup))
+                                                                        gamma, EXTEND_AT, EXTEND_ROWS - 1, lookup,
+                                                                        RUN_MATCH))
                                   for r, lookup in RUNS.items()}
                 answer = seq[0, plen + 1 :]  # the tokens a run drafts; one outside the vocabulary is never drafted
                 counts.update(answer_tokens=len(answer), in_vocab=int(torch.isin(answer, head.vocab_ids).sum()))

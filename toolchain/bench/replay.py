@@ -25,10 +25,11 @@ from toolchain.runtime.lookup import confidence, overruled, propose
 
 
 def replay_chain(ids: Sequence[int], start: int, drafts: torch.Tensor, dist: torch.Tensor, vocab_ids: torch.Tensor,
-                 gamma: int, extend_at: float, max_drafts: int, lookup: bool = False) -> list[int]:
+                 gamma: int, extend_at: float, max_drafts: int, lookup: bool = False, run_match: int = 0) -> list[int]:
     """Accepted drafts per round of a greedy chain run over `ids` (prompt + answer, the answer from position
     `start` on: the prefill gives ids[start]). drafts [D, T]: the head's chains from every position (D >=
-    max_drafts); dist [D, T, V']: the head's distribution over its draft vocabulary `vocab_ids` [V'] at each."""
+    max_drafts); dist [D, T, V']: the head's distribution over its draft vocabulary `vocab_ids` [V'] at each;
+    run_match (with lookup): chain's lookup runs, the rest of a round drafted from a match this long."""
     ids = list(map(int, ids))
     column = {int(t): i for i, t in enumerate(vocab_ids.tolist())}
     n, depth = len(ids), drafts.shape[0]
@@ -40,6 +41,10 @@ def replay_chain(ids: Sequence[int], start: int, drafts: torch.Tensor, dist: tor
         accepted = 0
         own = True  # every draft so far was the head's own chain (no lookup token it got wrong)
         for a in range(g_max):
+            run = lookup_run(ids[: s + 1 + a], run_match, g - a, g_max - a) if lookup and run_match else []
+            if run:  # drafted whole, no extension check: accepted up to its first wrong token
+                accepted += next((i for i, t in enumerate(run) if t != ids[s + 1 + a + i]), len(run))
+                break
             row, col = (a, s) if own and a < depth else (0, s + a)  # else: a fresh chain (the one approximation)
             token = int(drafts[row, col])
             p = float(dist[row, col].max())
@@ -59,6 +64,13 @@ def replay_chain(ids: Sequence[int], start: int, drafts: torch.Tensor, dist: tor
         rounds.append(accepted)
         s += accepted + 1
     return rounds
+
+
+def lookup_run(text: list[int], min_match: int, least: int, most: int) -> list[int]:
+    """What chain drafts as a lookup run after `text` (the runtime's Chain._run and LookupDraft.lookup_run)."""
+    prop = propose(text, max(min_match, 2), follow=most - 1)
+    run = [prop.token, *prop.after] if prop else []
+    return run if len(run) >= least else []
 
 
 def head_distribution(head, hidden: torch.Tensor) -> torch.Tensor:

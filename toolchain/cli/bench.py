@@ -37,7 +37,7 @@ def bench_decode(
                                  "context's own continuation to the draft's proposals; chain:extend=P: draft "
                                  "past gamma while the draft's probability >= P, default 0.8; chain:rows=N: such "
                                  "a round verifies up to N rows, default 8; chain+lookup:runs=M: a context match "
-                                 "of M+ tokens drafts what followed it with no draft call)"),
+                                 "of M+ tokens drafts what followed it with no draft call, default 3, 0 = off)"),
     prompts: str = typer.Option("humaneval:20", "--prompts", help=PROMPTS_HELP),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     gamma: int = typer.Option(4, "--gamma"),

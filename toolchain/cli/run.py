@@ -23,7 +23,7 @@ def run(
                                "+lookup to also draft the context's own continuation), ctg, ds2d, llada, ...; "
                                "chain:extend=P drafts past gamma while the draft's probability >= P (0.8), "
                                "chain:rows=N up to N rows per verify call (8), chain+lookup:runs=M drafts what "
-                               "followed a context match of M+ tokens with no draft call (off)"),
+                               "followed a context match of M+ tokens with no draft call (3; 0 = off)"),
     draft: Path | None = typer.Option(None, "--draft", help="draft artifact folder (chain, lever, ahasd)"),
     max_new_tokens: int | None = typer.Option(
         None, "--max-new-tokens", min=1, help=f"default: {DEFAULT_NEW_TOKENS}, or what the context has room for"

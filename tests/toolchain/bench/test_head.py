@@ -123,7 +123,8 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
     assert second["vocab_coverage"] == pytest.approx(sum(int((a % 2 == 0).sum()) for a in answers)
                                                       / sum(len(a) for a in answers))
 
-    # the replayed runs: chain's defaults (extension at 0.8 up to an 8-row graph), with and without lookup, over
+    # the replayed runs: chain's defaults (extension at 0.8 up to an 8-row graph; with lookup, runs from a
+    # 3-token match), with and without lookup, over
     # the same answers (the replay itself is checked against the runtime's chain in test_replay.py)
     for head, label in zip(heads, labels, strict=True):
         for lookup, key in ((False, "run:chain"), (True, "run:chain+lookup")):
@@ -135,7 +136,7 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
                         states = target.model(seq).last_hidden_state
                     chains, hidden = draft_chains(head, seq, states, 7)
                     rounds = replay_chain(seq[0], plen, chains[0], head_distribution(head, hidden[0]), head.vocab_ids,
-                                          3, 0.8, 7, lookup)
+                                          3, 0.8, 7, lookup, 3 if lookup else 0)
                     pairs.append((seq.shape[1] - plen, rounds))
             assert rows[("all", label)][key] == pytest.approx(tokens_per_call(pairs)), key
 

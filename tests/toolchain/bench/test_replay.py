@@ -59,12 +59,14 @@ def _prompts(target_dir):
 
 
 # the policy, then the replay's settings: extension threshold, most drafts per round (the tiny target's widest
-# graph is 8 rows), lookup
-CASES = [("chain:extend=1", 1.01, 3, False), ("chain:extend=0.3", 0.3, 7, False), ("chain+lookup:extend=0.3", 0.3, 7, True)]
+# graph is 8 rows), lookup, lookup runs' least match (chain+lookup's default: 3)
+CASES = [("chain:extend=1", 1.01, 3, False, 0), ("chain:extend=0.3", 0.3, 7, False, 0),
+         ("chain+lookup:extend=0.3:runs=0", 0.3, 7, True, 0), ("chain+lookup:extend=0.3", 0.3, 7, True, 3),
+         ("chain+lookup:extend=1:runs=2", 1.01, 3, True, 2)]
 
 
-@pytest.mark.parametrize("policy, extend_at, max_drafts, lookup", CASES)
-def test_a_replay_accepts_what_a_run_accepts(world, policy, extend_at, max_drafts, lookup):
+@pytest.mark.parametrize("policy, extend_at, max_drafts, lookup, run_match", CASES)
+def test_a_replay_accepts_what_a_run_accepts(world, policy, extend_at, max_drafts, lookup, run_match):
     target_dir, head_dir, target, head = world
     accepted = []
     for ids in _prompts(target_dir):
@@ -76,7 +78,7 @@ def test_a_replay_accepts_what_a_run_accepts(world, policy, extend_at, max_draft
             states = target.model(seq).last_hidden_state
         chains, hidden = draft_chains(head, seq, states, 7)
         rounds = replay_chain(seq[0], len(ids), chains[0], head_distribution(head, hidden[0]), head.vocab_ids, 3,
-                              extend_at, max_drafts, lookup)
+                              extend_at, max_drafts, lookup, run_match)
         assert rounds == run.stats.accepted, (policy, ids)
         accepted.append(sum(rounds))
         assert tokens_per_call([(len(out), rounds)]) == pytest.approx(len(out) / len(run.stats.accepted))

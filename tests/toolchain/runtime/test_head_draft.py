@@ -280,8 +280,8 @@ def test_lookup_proposals_keep_ars_tokens_track_the_draft_cache_and_raise_accept
 
 
 def test_lookup_runs_draft_a_repeat_without_head_calls_and_keep_ars_tokens(world):
-    """chain+lookup:runs=M drafts a long context match's continuation at once: ar's tokens, fewer head
-    calls than chain+lookup, and the head's cache text stays a prefix of the committed text (the run's
+    """chain+lookup drafts a long context match's continuation at once (runs=M; default 3): ar's tokens, fewer
+    head calls than without runs (runs=0), and the head's cache text stays a prefix of the committed text (the run's
     tokens are heard in one call the next round)."""
     _, target_dir, head_dir = world
     target = StepModel(target_dir)
@@ -291,7 +291,7 @@ def test_lookup_runs_draft_a_repeat_without_head_calls_and_keep_ars_tokens(world
     ids = ids + want + want  # the continuation repeats itself
     want = generate(ar, ids, 16)
     calls, accepted = {}, {}
-    for name in ("chain+lookup", "chain+lookup:runs=3"):
+    for name in ("chain+lookup:runs=0", "chain+lookup"):
         head = HeadDraft(StepModel(head_dir), target)
         pol = make_policy(name, target, head, gamma=3)
         out: list[int] = []
@@ -300,8 +300,8 @@ def test_lookup_runs_draft_a_repeat_without_head_calls_and_keep_ars_tokens(world
             assert pol.draft.tokens == head.tokens == (ids + out)[: head.length]
         assert out == want, name
         calls[name], accepted[name] = sum(head.calls.values()), sum(pol.stats.accepted)
-    assert calls["chain+lookup:runs=3"] < calls["chain+lookup"], calls
-    assert accepted["chain+lookup:runs=3"] >= accepted["chain+lookup"] - 1, accepted
+    assert calls["chain+lookup"] < calls["chain+lookup:runs=0"], calls
+    assert accepted["chain+lookup"] >= accepted["chain+lookup:runs=0"] - 1, accepted
 
 
 def test_lookup_runs_need_lookup(world):

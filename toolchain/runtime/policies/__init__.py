@@ -9,7 +9,7 @@ from toolchain.errors import MobcError
 from toolchain.runtime.model import StepModel
 from toolchain.runtime.policies.ar import AR
 from toolchain.runtime.policies.base import Policy, RunStats
-from toolchain.runtime.policies.chain import EXTEND_AT, EXTEND_ROWS, Chain
+from toolchain.runtime.policies.chain import EXTEND_AT, EXTEND_ROWS, RUN_MATCH, Chain
 from toolchain.runtime.policies.sampling import Sampler, accept_chain
 
 POLICIES: dict[str, type[Policy]] = {"ar": AR, "chain": Chain}
@@ -57,7 +57,7 @@ def make_policy(name: str, target: StepModel, draft: StepModel | None = None, ga
         raise MobcError(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *LAZY_POLICIES])}")
     if name == "chain":
         return Chain(target, draft, gamma=gamma, extend_at=options.get("extend_at", EXTEND_AT),
-                     extend_rows=options.get("extend_rows", EXTEND_ROWS), run_match=options.get("run_match", 0))
+                     extend_rows=options.get("extend_rows", EXTEND_ROWS), run_match=options.get("run_match"))
     return POLICIES[name](target, draft)
 
 
@@ -102,7 +102,7 @@ SETTINGS = {
                     "a whole number of rows, at least 2 (rows=32)", _rows),
     "runs": Setting(frozenset({"chain"}), "run_match", "with +lookup: a context match of at least this many tokens "
                     "drafts the text that followed it, the round's remaining drafts at once, with no draft call "
-                    "(default 0: never)", "a whole number of tokens, 0 or at least 2 (runs=5)", _match),
+                    f"(default {RUN_MATCH}; 0: never)", "a whole number of tokens, 0 or at least 2 (runs=5)", _match),
 }
 
 
