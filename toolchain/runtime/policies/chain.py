@@ -9,7 +9,9 @@ A round drafts past gamma while the draft is confident (its drafted token's prob
 confident draft is usually accepted (a long context-lookup match, +lookup, is the typical case),
 and each accepted token saves a whole target step, more than a wider verify call costs. The call
 itself runs on the narrowest graph that holds its rows (on a CPU a call's cost grows with its
-rows, so a recipe may compile a gamma+1-wide graph beside a wider one).
+rows, so a recipe may compile a gamma+1-wide graph beside a wider one). With +lookup, where the text's
+suffix matches RUN_MATCH+ tokens earlier on, the rest of the round is the text that followed the match
+there, drafted with no draft call (a lookup run); the draft hears the accepted part next round, in one call.
 Row i of that call predicts the token after d_i, so accepting k drafts emits k+1 tokens
 (the k drafts and the target's correction or bonus) for one target call; the target
 commits the rows of pending and the k accepted drafts, and the draft cache is rolled back to
