@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from toolchain.runtime.lookup import confidence, overruled, propose
+from toolchain.runtime.lookup import confidence, lookup_run, overruled, propose
 
 
 def replay_chain(ids: Sequence[int], start: int, drafts: torch.Tensor, dist: torch.Tensor, vocab_ids: torch.Tensor,
@@ -64,13 +64,6 @@ def replay_chain(ids: Sequence[int], start: int, drafts: torch.Tensor, dist: tor
         rounds.append(accepted)
         s += accepted + 1
     return rounds
-
-
-def lookup_run(text: list[int], min_match: int, least: int, most: int) -> list[int]:
-    """What chain drafts as a lookup run after `text` (the runtime's Chain._run and LookupDraft.lookup_run)."""
-    prop = propose(text, max(min_match, 2), follow=most - 1)
-    run = [prop.token, *prop.after] if prop else []
-    return run if len(run) >= least else []
 
 
 def head_distribution(head, hidden: torch.Tensor) -> torch.Tensor:

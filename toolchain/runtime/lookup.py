@@ -57,6 +57,14 @@ def propose(tokens: Sequence[int] | np.ndarray, min_match: int = 2, max_match: i
     return Proposal(int(arr[j + 1]), best, tuple(arr[j + 2 : j + 2 + follow].tolist()))
 
 
+def lookup_run(tokens: Sequence[int], min_match: int, least: int, most: int, max_match: int = 8) -> list[int]:
+    """What chain drafts as a lookup run after `tokens`: the proposal and the tokens that followed it, up to
+    `most`, when the suffix matches at least `min_match` tokens and the run has at least `least`; else []."""
+    prop = propose(tokens, max(min_match, 2), max_match, most - 1)
+    run = [prop.token, *prop.after] if prop else []
+    return run if len(run) >= least else []
+
+
 def blend(logits: np.ndarray, proposal: Proposal | None, p: float,
           partition: tuple[np.ndarray, float] | None = None) -> np.ndarray:
     """Logits of (1-p) * softmax(logits) + p * onehot(proposal): the draft's distribution with the
@@ -154,11 +162,9 @@ class LookupDraft:
         self.proposals += 1
         return blend(logits, prop, confidence(prop.match), (z, lse)), prop
 
-    def lookup_run(self, unheard: Sequence[int], min_match: int, most: int) -> list[int]:
-        """Up to `most` tokens of the context's own continuation after the text plus `unheard` (tokens
-        the draft has not run yet), when the suffix matches at least `min_match` tokens; else []."""
-        prop = propose([*self.tokens, *unheard], max(min_match, self.min_match), self.max_match, most - 1)
-        return [prop.token, *prop.after] if prop else []
+    def lookup_run(self, unheard: Sequence[int], min_match: int, least: int, most: int) -> list[int]:
+        """`lookup_run` after the draft's text plus `unheard` (tokens the draft has not run yet)."""
+        return lookup_run([*self.tokens, *unheard], max(min_match, self.min_match), least, most, self.max_match)
 
     def blended(self, logits: np.ndarray, context: Sequence[int]) -> np.ndarray:
         return self.proposed(logits, context)[0]

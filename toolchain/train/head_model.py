@@ -101,9 +101,7 @@ def grow(head: DraftHead, layers: int) -> int:
     added = layers - len(head.layers)
     if added <= 0:
         return 0
-    head.config.num_hidden_layers = layers
-    if getattr(head.config, "layer_types", None):
-        head.config.layer_types = ["full_attention"] * layers
+    head.config = head_config(head.config, layers, head.config.attention_dropout)
     layer_cls, last = type(head.layers[-1]), head.layers[-1].state_dict()
     for i in range(len(head.layers), layers):
         layer = layer_cls(head.config, layer_idx=i).to(next(head.layers[-1].parameters()).dtype)

@@ -139,5 +139,4 @@ class Chain(Policy):
         distribution to sample against), when its match is long enough and it fills the round to gamma."""
         if not self.run_match or not sampler.greedy:
             return None
-        run = draft.lookup_run(feed, self.run_match, most)
-        return run if run and len(run) >= least else None
+        return draft.lookup_run(feed, self.run_match, least, most) or None
