@@ -9,7 +9,9 @@ teacher states, so the differences between heads are the heads'. Beside that cou
 chain run and a chain+lookup run would walk it (bench/replay.py): the tokens per target call `mobc bench decode`
 reports for those policies with this target's 8-row verify graph. Sets of windows from the on-policy caches
 a training read (`windows`) measure the heads on answers they were trained on: the gap to the prompt sets is
-how much a head over-fits.
+how much a head over-fits. Each head's first drafts are also split by how sure the target itself is of the
+token they must guess (its probability of its own greedy token there): a head that misses mostly where the
+target is unsure is near what its inputs allow; misses where the target is sure are the head's to win.
 """
 
 from __future__ import annotations
@@ -47,6 +49,33 @@ def target_answers(target: Any, tok: Any, spec: str, max_new: int) -> list[tuple
     return out
 
 
+# the target's probability of its own greedy token: bucket k holds CONFIDENCE[k-1] <= p < CONFIDENCE[k]
+CONFIDENCE = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def target_confidence(states: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """[T] the target's probability of its greedy next token after each row of its final states [1, T, C]."""
+    return torch.softmax(torch.nn.functional.linear(states[0], lm_head).float(), -1).amax(-1)
+
+
+def first_drafts_by_confidence(first: torch.Tensor, greedy: torch.Tensor, confidence: torch.Tensor,
+                               start: int) -> list[list[int]]:
+    """[positions, accepted] per CONFIDENCE bucket over the first drafts of chains starting at rows start..T-2:
+    first [T] (first[s] guesses the target's token after row s, greedy [T]) and the target's probability of
+    that token, confidence [T]."""
+    rows = torch.arange(start, len(greedy) - 1)
+    ok = first[rows] == greedy[rows]
+    bucket = torch.bucketize(confidence[rows], torch.tensor(CONFIDENCE[1:-1]), right=True)
+    return [[int((bucket == k).sum()), int(ok[bucket == k].sum())] for k in range(len(CONFIDENCE) - 1)]
+
+
+def confidence_cells(buckets: list[list[int]]) -> dict[str, str | None]:
+    """Table cells per CONFIDENCE bucket: the head's first-draft acceptance there and the bucket's share of the
+    positions ("0.462 of 20%")."""
+    total = sum(n for n, _ in buckets)
+    return {f"conf{k}": f"{ok / n:.3f} of {n / total:.0%}" if n else None for k, (n, ok) in enumerate(buckets)}
+
+
 def _counts(acc: dict[str, Any]) -> dict[str, Any]:
     """drafts_accepted's means as sums, so answers of any length add up."""
     n = acc["rounds"]
@@ -61,7 +90,9 @@ RUNS = {"chain": False, "chain+lookup": True}
 def _row(counts: list[dict[str, Any]], gamma: int) -> dict[str, Any]:
     n, tokens = sum(c["rounds"] for c in counts), sum(c["answer_tokens"] for c in counts)
     # every row: the answers' coverage by the head's vocabulary and the replayed runs' tokens per target call
+    buckets = [[sum(c["by_confidence"][k][i] for c in counts) for i in (0, 1)] for k in range(len(CONFIDENCE) - 1)]
     also = {"vocab_coverage": sum(c["in_vocab"] for c in counts) / tokens if tokens else None,
+            "first_draft_by_confidence": buckets,
             **{f"run:{r}": tokens_per_call([c["runs"][r] for c in counts if "runs" in c]) for r in RUNS}}
     if not n:
         return {"rounds": 0, "tokens_per_call": None, "accept_at_depth": [None] * gamma, **also}
@@ -104,6 +135,7 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
         for seq, plen in seqs:
             states, _ = teacher_states(target, seq, float("inf"), 1, lambda _m: None)
             greedy = greedy_tokens(states, lm_head)  # the target's token after each row
+            confidence = target_confidence(states, lm_head)
             for label, head in heads.items():
                 chains, hidden = draft_chains(head, seq, states, max(gamma, EXTEND_ROWS - 1))
                 # the first chain starts at the answer's first token (row plen): the target's prefill gives that
@@ -115,7 +147,8 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
                                                                         RUN_MATCH))
                                   for r, lookup in RUNS.items()}
                 answer = seq[0, plen + 1 :]  # the tokens a run drafts; one outside the vocabulary is never drafted
-                counts.update(answer_tokens=len(answer), in_vocab=int(torch.isin(answer, head.vocab_ids).sum()))
+                counts.update(answer_tokens=len(answer), in_vocab=int(torch.isin(answer, head.vocab_ids).sum()),
+                              by_confidence=first_drafts_by_confidence(chains[0, 0], greedy[0], confidence, plen))
                 per.setdefault((name, label), []).append(counts)
     return {"prompts": spec, "answers": answers, "max_new_tokens": max_new, "gamma": gamma,
             "windows": {name: len(seqs) for name, seqs in (windows or {}).items()},

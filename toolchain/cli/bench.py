@@ -460,7 +460,7 @@ def bench_head(
     """Draft heads side by side on the target's greedy answers, per prompt set, in minutes and with no compile:
     tokens per target call teacher-forced from every answer position, and as a chain run and a chain+lookup
     run would reach them (each answer replayed with the runtime's own rules)."""
-    from toolchain.bench.head import measure, window_answers
+    from toolchain.bench.head import CONFIDENCE, confidence_cells, measure, window_answers
     from toolchain.bench.prompts import load_prompts
     from toolchain.compile.head import load_head
     from toolchain.train.head import head_weights, load_target
@@ -490,4 +490,11 @@ def bench_head(
                       ("chains", "rounds", "d"), ("answer tokens in vocab", "vocab_coverage", ".3f"),
                       ("vs first head", "vs_first", ".3fx"), ("as chain runs", "run:chain", ".3f"),
                       ("as chain+lookup runs", "run:chain+lookup", ".3f")])
+    edges = CONFIDENCE
+    print_rows("first drafts by the target's own probability p of the token they guess: the head's acceptance "
+               "there, of the share of positions", [{**r, **confidence_cells(r["first_draft_by_confidence"])}
+                                                    for r in res["rows"]],
+               [("set", "set", ""), ("head", "head", ""),
+                *[(f"{lo:g} ≤ p < {hi:g}" if hi < 1 else f"p ≥ {lo:g}", f"conf{k}", "")
+                  for k, (lo, hi) in enumerate(zip(edges, edges[1:], strict=False))]])
     write_json(json_out, res)

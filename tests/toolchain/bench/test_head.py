@@ -9,7 +9,13 @@ import torch
 
 from tests.cli_main import run_main
 from tests.tiny import save_tiny, write_recipe
-from toolchain.bench.head import prompt_sets, table_rows
+from toolchain.bench.head import (
+    CONFIDENCE,
+    confidence_cells,
+    first_drafts_by_confidence,
+    prompt_sets,
+    table_rows,
+)
 from toolchain.bench.prompts import encode, load_prompts
 from toolchain.bench.replay import head_distribution, replay_chain, tokens_per_call
 from toolchain.compile.head import load_head
@@ -26,7 +32,7 @@ def test_prompt_sets_name_each_set_and_keep_repeated_kinds_apart():
 def test_the_rows_add_answers_by_their_chains_and_take_ratios_to_the_first_head_only():
     def answer(rounds, accepted, depth1, tokens, in_vocab):
         return {"rounds": rounds, "accepted": accepted, "at_depth": [depth1, 0.0], "answer_tokens": tokens,
-                "in_vocab": in_vocab}
+                "in_vocab": in_vocab, "by_confidence": [[tokens, in_vocab - 1], *[[k, k // 2] for k in range(4)]]}
 
     per = {("a", "h1"): [answer(0, 0.0, 0.0, 1, 1)], ("a", "h2"): [answer(2, 1.0, 1.0, 3, 2)],  # h1: too short
            ("b", "h1"): [answer(4, 2.0, 2.0, 8, 8), answer(6, 6.0, 4.0, 10, 9)],
@@ -40,6 +46,21 @@ def test_the_rows_add_answers_by_their_chains_and_take_ratios_to_the_first_head_
     assert rows[("b", "h1")]["accept_at_depth"] == pytest.approx([0.6, 0.0])
     assert rows[("all", "h2")]["vocab_coverage"] == pytest.approx(20 / 21) and rows[("all", "h2")]["rounds"] == 12
     assert rows[("all", "h2")]["tokens_per_call"] == pytest.approx(1 + 8 / 12)
+    # first drafts by the target's confidence: each bucket's positions and accepted drafts added up
+    assert rows[("all", "h2")]["first_draft_by_confidence"] == [[21, 17], [0, 0], [3, 0], [6, 3], [9, 3]]
+    assert rows[("a", "h1")]["first_draft_by_confidence"] == [[1, 0], [0, 0], [1, 0], [2, 1], [3, 1]]
+
+
+def test_first_drafts_are_split_by_the_targets_confidence_in_the_token_they_guess():
+    first = torch.tensor([5, 1, 2, 3, 9, 7])  # first[s] guesses the target's token after row s
+    greedy = torch.tensor([0, 1, 2, 4, 9, 8])
+    confidence = torch.tensor([0.99, 0.1, 0.3, 0.95, 0.5, 0.2])
+    # rows 1..4 (the last row has no token after it in the answer; row 0 is before the start): a bucket's lower
+    # edge is in it (0.3 and 0.5 open theirs), and only row 3's draft is wrong
+    assert first_drafts_by_confidence(first, greedy, confidence, 1) == [[1, 1], [1, 1], [1, 1], [0, 0], [1, 0]]
+    assert len(CONFIDENCE) == 6
+    assert confidence_cells([[10, 4], [0, 0], [30, 30]]) == {"conf0": "0.400 of 25%", "conf1": None,
+                                                              "conf2": "1.000 of 75%"}
 
 
 def _answer(target, tok, prompt, max_new):
@@ -90,6 +111,7 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
                  "--json", out)
     assert r.code == 0, r.err
     assert "tokens/target call" in r.out and "vs first head" in r.out and "as chain+lookup runs" in r.out
+    assert "first drafts by the target's own probability" in r.out and "p ≥ 0.9" in r.out
     res = json.loads(out.read_text())
     rows = {(row["set"], row["head"]): row for row in res["rows"]}
     labels = [str(tmp_path / "h0"), str(tmp_path / "h1" / "head.safetensors")]
@@ -110,6 +132,21 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
         assert rows[("all", label)]["rounds"] == n_all
         assert rows[("all", label)]["tokens_per_call"] == pytest.approx(
             sum(t * n for t, n in want.values()) / n_all, abs=1e-5)
+    # first drafts by the target's confidence: every answer row but the last, each once, counted accepted where
+    # the head's first draft is the target's greedy token
+    for head, label in zip(heads, labels, strict=True):
+        n = ok = 0
+        for part in prompt_sets(spec).values():
+            for p in load_prompts(part):
+                seq, plen = _answer(target, tok, p, 24)
+                with torch.no_grad():
+                    states = target.model(seq).last_hidden_state
+                    greedy = target.lm_head(states).argmax(-1)[0]
+                chains, _ = draft_chains(head, seq, states, 1)
+                n += seq.shape[1] - 1 - plen
+                ok += int((chains[0, 0, plen:-1] == greedy[plen:-1]).sum())
+        buckets = rows[("all", label)]["first_draft_by_confidence"]
+        assert [sum(b[i] for b in buckets) for i in (0, 1)] == [n, ok] and n > 0
     first, second = rows[("all", labels[0])], rows[("all", labels[1])]
     assert first["tokens_per_call"] != second["tokens_per_call"]  # two heads that differ: the check compares something
     assert first["tokens_per_call"] > 1 or second["tokens_per_call"] > 1
