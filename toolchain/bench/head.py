@@ -29,6 +29,13 @@ from toolchain.train.draft import teacher_states
 from toolchain.train.head import cached_answers, draft_chains, drafts_accepted, greedy_tokens
 
 
+def head_labels(heads: list[Path]) -> list[str]:
+    """Table labels of heads given as folders or files: each folder's name (a `head.safetensors` file's folder,
+    another file's own name), or the paths as given where two names would be the same."""
+    names = [h.parent.name if h.name == "head.safetensors" else h.name for h in heads]
+    return names if len(set(names)) == len(names) and all(names) else [str(h) for h in heads]
+
+
 def prompt_sets(spec: str) -> dict[str, str]:
     """`spec`'s sets by name (humaneval:20+chat:24 -> humaneval, chat); a set given twice keeps its full spec."""
     parts = [p.strip() for p in spec.split("+") if p.strip()]

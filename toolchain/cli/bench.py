@@ -460,7 +460,7 @@ def bench_head(
     """Draft heads side by side on the target's greedy answers, per prompt set, in minutes and with no compile:
     tokens per target call teacher-forced from every answer position, and as a chain run and a chain+lookup
     run would reach them (each answer replayed with the runtime's own rules)."""
-    from toolchain.bench.head import CONFIDENCE, confidence_cells, measure, window_answers
+    from toolchain.bench.head import CONFIDENCE, confidence_cells, head_labels, measure, window_answers
     from toolchain.bench.prompts import load_prompts
     from toolchain.compile.head import load_head
     from toolchain.train.head import head_weights, load_target
@@ -479,7 +479,8 @@ def bench_head(
     if len(window_sets) < len(windows):
         raise MobcError("--windows: the same cache is given twice; give each file once")
     target, tok, name, _ = load_target(recipe)
-    models = {str(h): load_head(target, f) for h, f in zip(heads, files, strict=True)}
+    labels = head_labels(heads)  # short names: the table's head column is narrow
+    models = {label: load_head(target, f) for label, f in zip(labels, files, strict=True)}
     log(f"{name}: {len(models)} heads, gamma {gamma}, answers of up to {max_new_tokens} tokens to {prompts}")
     res = measure(target, tok, models, prompts, max_new_tokens, gamma, progress=log, windows=window_sets)
     rows = [{**r, **{f"d{k + 1}": a for k, a in enumerate(r["accept_at_depth"])}} for r in res["rows"]]
@@ -497,4 +498,4 @@ def bench_head(
                [("set", "set", ""), ("head", "head", ""),
                 *[(f"{lo:g} ≤ p < {hi:g}" if hi < 1 else f"p ≥ {lo:g}", f"conf{k}", "")
                   for k, (lo, hi) in enumerate(zip(edges, edges[1:], strict=False))]])
-    write_json(json_out, res)
+    write_json(json_out, {**res, "heads": {label: str(h) for label, h in zip(labels, heads, strict=True)}})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from toolchain.bench.head import (
     CONFIDENCE,
     confidence_cells,
     first_drafts_by_confidence,
+    head_labels,
     prompt_sets,
     table_rows,
 )
@@ -61,6 +63,13 @@ def test_first_drafts_are_split_by_the_targets_confidence_in_the_token_they_gues
     assert len(CONFIDENCE) == 6
     assert confidence_cells([[10, 4], [0, 0], [30, 30]]) == {"conf0": "0.400 of 25%", "conf1": None,
                                                               "conf2": "1.000 of 75%"}
+
+
+def test_heads_are_labelled_by_their_folders_unless_two_share_a_name():
+    assert head_labels([Path("a/h0"), Path("b/h1/head.safetensors"), Path("c/best.safetensors")]) == [
+        "h0", "h1", "best.safetensors"]
+    same = [Path("a/h"), Path("b/h/head.safetensors")]
+    assert head_labels(same) == ["a/h", "b/h/head.safetensors"]
 
 
 def _answer(target, tok, prompt, max_new):
@@ -114,7 +123,8 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
     assert "first drafts by the target's own probability" in r.out and "p ≥ 0.9" in r.out
     res = json.loads(out.read_text())
     rows = {(row["set"], row["head"]): row for row in res["rows"]}
-    labels = [str(tmp_path / "h0"), str(tmp_path / "h1" / "head.safetensors")]
+    labels = ["h0", "h1"]  # the folder's name, the file's folder's name
+    assert res["heads"] == {"h0": str(tmp_path / "h0"), "h1": str(tmp_path / "h1" / "head.safetensors")}
     assert {s for s, _ in rows} == {*prompt_sets(spec), "all", "r1.pt"} and res["answers"] == 5
     for head, label in zip(heads, labels, strict=True):  # windows 0, 2 and 4, evenly spaced; in no "all" row
         picked = windows[[0, 2, 4]]
