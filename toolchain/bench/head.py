@@ -10,8 +10,9 @@ chain run and a chain+lookup run would walk it (bench/replay.py): the tokens per
 reports for those policies with this target's 8-row verify graph. Sets of windows from the on-policy caches
 a training read (`windows`) measure the heads on answers they were trained on: the gap to the prompt sets is
 how much a head over-fits. Each head's first drafts are also split by how sure the target itself is of the
-token they must guess (its probability of its own greedy token there): a head that misses mostly where the
-target is unsure is near what its inputs allow; misses where the target is sure are the head's to win.
+token they must guess (its probability of its own greedy token there): misses where the target decides
+narrowly are the hardest to win (any small error in the head's estimate flips the choice); misses where it is
+sure are the head's own.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def target_answers(target: Any, tok: Any, spec: str, max_new: int) -> list[tuple
     return out
 
 
-# the target's probability of its own greedy token: bucket k holds CONFIDENCE[k-1] <= p < CONFIDENCE[k]
+# the target's probability p of its own greedy token: band k holds CONFIDENCE[k] <= p < CONFIDENCE[k+1] (the
+# last one p = 1 too)
 CONFIDENCE = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 

@@ -491,11 +491,10 @@ def bench_head(
                       ("chains", "rounds", "d"), ("answer tokens in vocab", "vocab_coverage", ".3f"),
                       ("vs first head", "vs_first", ".3fx"), ("as chain runs", "run:chain", ".3f"),
                       ("as chain+lookup runs", "run:chain+lookup", ".3f")])
-    edges = CONFIDENCE
     print_rows("first drafts by the target's own probability p of the token they guess: the head's acceptance "
                "there, of the share of positions", [{**r, **confidence_cells(r["first_draft_by_confidence"])}
                                                     for r in res["rows"]],
                [("set", "set", ""), ("head", "head", ""),
                 *[(f"{lo:g} ≤ p < {hi:g}" if hi < 1 else f"p ≥ {lo:g}", f"conf{k}", "")
-                  for k, (lo, hi) in enumerate(zip(edges, edges[1:], strict=False))]])
+                  for k, (lo, hi) in enumerate(zip(CONFIDENCE, CONFIDENCE[1:], strict=False))]])
     write_json(json_out, {**res, "heads": {label: str(h) for label, h in zip(labels, heads, strict=True)}})
