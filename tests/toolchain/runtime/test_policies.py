@@ -189,7 +189,7 @@ def test_cli_run_and_bench_decode(artifacts, tmp_path):
     prompts.write_text("\n---\n".join(PROMPTS))
     out = tmp_path / "bench.json"
     res = runner.invoke(app, ["bench", "decode", str(target_dir), "--draft", str(draft_dir), "--prompts",
-                              f"file:{prompts}", "--max-new-tokens", "16", "--no-llamacpp", "--json", str(out),
+                              f"file:{prompts}", "--max-new-tokens", "48", "--no-llamacpp", "--json", str(out),
                               "--baseline", str(target_dir), "--baseline", str(draft_dir),
                               "--draft", str(target_dir), "--policies", "ar,chain,chain+lookup"])
     assert res.exit_code == 0, res.output
