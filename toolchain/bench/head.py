@@ -27,7 +27,7 @@ from toolchain.bench.prompts import BenchError, encode, load_prompts
 from toolchain.bench.replay import head_distribution, replay_chain, tokens_per_call
 from toolchain.runtime.policies.chain import EXTEND_AT, EXTEND_ROWS, RUN_MATCH
 from toolchain.train.draft import teacher_states
-from toolchain.train.head import cached_answers, draft_chains, drafts_accepted, greedy_tokens
+from toolchain.train.head import cached_answers, draft_chains, drafts_accepted
 
 
 def head_labels(heads: list[Path]) -> list[str]:
@@ -62,9 +62,11 @@ def target_answers(target: Any, tok: Any, spec: str, max_new: int) -> list[tuple
 CONFIDENCE = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
-def target_confidence(states: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-    """[T] the target's probability of its greedy next token after each row of its final states [1, T, C]."""
-    return torch.softmax(torch.nn.functional.linear(states[0], lm_head).float(), -1).amax(-1)
+def target_next(states: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's greedy next token after each row of its final states [1, T, C] ([1, T], as greedy_tokens
+    gives it) and its probability of that token ([T]), from one pass over the logits."""
+    logits = torch.nn.functional.linear(states[0], lm_head)
+    return logits.argmax(-1)[None], torch.softmax(logits.float(), -1).amax(-1)
 
 
 def first_drafts_by_confidence(first: torch.Tensor, greedy: torch.Tensor, confidence: torch.Tensor,
@@ -143,8 +145,7 @@ def measure(target: Any, tok: Any, heads: dict[str, Any], spec: str, max_new: in
         progress(f"{name}: {len(seqs)} answers, {sum(s.shape[1] - p for s, p in seqs)} answer tokens")
         for seq, plen in seqs:
             states, _ = teacher_states(target, seq, float("inf"), 1, lambda _m: None)
-            greedy = greedy_tokens(states, lm_head)  # the target's token after each row
-            confidence = target_confidence(states, lm_head)
+            greedy, confidence = target_next(states, lm_head)  # the target's token after each row, its probability
             for label, head in heads.items():
                 chains, hidden = draft_chains(head, seq, states, max(gamma, EXTEND_ROWS - 1))
                 # the first chain starts at the answer's first token (row plen): the target's prefill gives that
