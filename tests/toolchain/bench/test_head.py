@@ -142,19 +142,23 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
         assert rows[("all", label)]["rounds"] == n_all
         assert rows[("all", label)]["tokens_per_call"] == pytest.approx(
             sum(t * n for t, n in want.values()) / n_all, abs=1e-5)
+    # every prompt's answer and the target's states over it, once for the checks below
+    seqs = []
+    for part in prompt_sets(spec).values():
+        for p in load_prompts(part):
+            seq, plen = _answer(target, tok, p, 24)
+            with torch.no_grad():
+                seqs.append((seq, plen, target.model(seq).last_hidden_state))
     # first drafts by the target's confidence: every answer row but the last, each once, counted accepted where
     # the head's first draft is the target's greedy token
     for head, label in zip(heads, labels, strict=True):
         n = ok = 0
-        for part in prompt_sets(spec).values():
-            for p in load_prompts(part):
-                seq, plen = _answer(target, tok, p, 24)
-                with torch.no_grad():
-                    states = target.model(seq).last_hidden_state
-                    greedy = target.lm_head(states).argmax(-1)[0]
-                chains, _ = draft_chains(head, seq, states, 1)
-                n += seq.shape[1] - 1 - plen
-                ok += int((chains[0, 0, plen:-1] == greedy[plen:-1]).sum())
+        for seq, plen, states in seqs:
+            with torch.no_grad():
+                greedy = target.lm_head(states).argmax(-1)[0]
+            chains, _ = draft_chains(head, seq, states, 1)
+            n += seq.shape[1] - 1 - plen
+            ok += int((chains[0, 0, plen:-1] == greedy[plen:-1]).sum())
         buckets = rows[("all", label)]["first_draft_by_confidence"]
         assert [sum(b[i] for b in buckets) for i in (0, 1)] == [n, ok] and n > 0
     first, second = rows[("all", labels[0])], rows[("all", labels[1])]
@@ -165,8 +169,7 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
     # the second head's vocabulary is the even tokens: its coverage is the answers' share of even tokens
     assert first["vocab_coverage"] == 1 and 0 < second["vocab_coverage"] < 1
     # the tokens a run drafts: the first answer token comes from the target's prefill
-    answers = [seq[0, plen + 1 :] for part in prompt_sets(spec).values() for p in load_prompts(part)
-               for seq, plen in [_answer(target, tok, p, 24)]]
+    answers = [seq[0, plen + 1 :] for seq, plen, _ in seqs]
     assert second["vocab_coverage"] == pytest.approx(sum(int((a % 2 == 0).sum()) for a in answers)
                                                       / sum(len(a) for a in answers))
 
@@ -176,15 +179,11 @@ def test_the_bench_counts_each_heads_chains_on_the_targets_answers(tmp_path):
     for head, label in zip(heads, labels, strict=True):
         for lookup, key in ((False, "run:chain"), (True, "run:chain+lookup")):
             pairs = []
-            for part in prompt_sets(spec).values():
-                for p in load_prompts(part):
-                    seq, plen = _answer(target, tok, p, 24)
-                    with torch.no_grad():
-                        states = target.model(seq).last_hidden_state
-                    chains, hidden = draft_chains(head, seq, states, 7)
-                    rounds = replay_chain(seq[0], plen, chains[0], head_distribution(head, hidden[0]), head.vocab_ids,
-                                          3, 0.8, 7, lookup, 3 if lookup else 0)
-                    pairs.append((seq.shape[1] - plen, rounds))
+            for seq, plen, states in seqs:
+                chains, hidden = draft_chains(head, seq, states, 7)
+                rounds = replay_chain(seq[0], plen, chains[0], head_distribution(head, hidden[0]), head.vocab_ids,
+                                      3, 0.8, 7, lookup, 3 if lookup else 0)
+                pairs.append((seq.shape[1] - plen, rounds))
             assert rows[("all", label)][key] == pytest.approx(tokens_per_call(pairs)), key
 
 def test_the_bench_names_a_missing_head_a_repeated_head_and_a_missing_recipe(tmp_path):
