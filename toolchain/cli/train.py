@@ -88,6 +88,9 @@ def train_draft(
                                            "with --init, more than the saved head's grows it)"),
     dropout: float | None = typer.Option(None, "--dropout", help="head: dropout on the head's layer inputs and "
                                          "attention weights while training (default 0: none)"),
+    argmax_weight: float | None = typer.Option(None, "--argmax-weight", help="head: weight of a cross-entropy on "
+                                               "the target's greedy token beside the KL (default 0: none); it "
+                                               "counts most where the target decides narrowly"),
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="head, with --steps: file keeping the "
                                            "training's state every 10 minutes; the same command run again after a "
                                            "stop resumes from it and makes the same head (removed when the head is "
@@ -105,7 +108,8 @@ def train_draft(
                     generate_only=generate_only, onpolicy_round=onpolicy_round, onpolicy_extra=onpolicy_extra,
                     unroll_mode=unroll_mode, teacher_precision=teacher_precision, teacher_cache=teacher_cache,
                     until_end_of_turn=until_end_of_turn, weight_decay=weight_decay, extra_held_out=extra_held_out,
-                    head_layers=head_layers, checkpoint=checkpoint, dropout=dropout, init=init, lr=lr)
+                    head_layers=head_layers, checkpoint=checkpoint, dropout=dropout, init=init, lr=lr,
+                    argmax_weight=argmax_weight)
         return
     if kind != "layers":
         raise MobcError(f"--kind {kind!r}: choose layers or head")
@@ -119,6 +123,8 @@ def train_draft(
         raise MobcError("--head-layers: it is for --kind head; --kind layers takes --layers")
     if dropout is not None:
         raise MobcError("--dropout: it is for --kind head; --kind layers trains without dropout")
+    if argmax_weight is not None:
+        raise MobcError("--argmax-weight: it is for --kind head; --kind layers distills on the KL alone")
     if checkpoint is not None:
         raise MobcError("--checkpoint: it is for --kind head with --steps")
     from toolchain.train.draft import DistillConfig
@@ -151,7 +157,8 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                 teacher_cache: Path | None, until_end_of_turn: bool = False,
                 weight_decay: float | None = None, extra_held_out: int | None = None,
                 head_layers: int | None = None, checkpoint: Path | None = None,
-                dropout: float | None = None, init: Path | None = None, lr: float | None = None) -> None:
+                dropout: float | None = None, init: Path | None = None, lr: float | None = None,
+                argmax_weight: float | None = None) -> None:
     from toolchain.train.head import (
         HEAD_FILE,
         HeadConfig,
@@ -165,7 +172,7 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
     given = {"minutes": minutes, "steps": steps, "app_share": app_share, "self_chat": self_chat, "unroll": unroll,
              "onpolicy_cache": str(onpolicy_cache) if onpolicy_cache else None, "answer_batch": answer_batch,
              "weight_decay": weight_decay, "extra_held_out": extra_held_out, "head_layers": head_layers,
-             "dropout": dropout, "lr": lr}
+             "dropout": dropout, "lr": lr, "argmax_weight": argmax_weight}
     cfg = HeadConfig(seed=seed, self_chat_openers=self_chat_openers, precision=precision,
                      onpolicy_round=onpolicy_round, onpolicy_extra=tuple(str(p) for p in onpolicy_extra),
                      unroll_mode=unroll_mode, teacher_precision=teacher_precision,
@@ -214,7 +221,11 @@ def _train_head(recipe: Path, out: Path | None, minutes: float | None, steps: in
                         "a few 1e-4 goes on from one with --init)")
     if not 0.0 <= cfg.dropout < 0.5:
         raise MobcError(f"--dropout {cfg.dropout}: give a rate from 0 (none) to below 0.5 (0.05-0.2 is usual)")
-    for option, value in (("--head-layers", head_layers), ("--dropout", dropout), ("--init", init)):
+    if not 0.0 <= cfg.argmax_weight <= 10.0:
+        raise MobcError(f"--argmax-weight {cfg.argmax_weight}: give a weight from 0 (none) to 10 (0.5-1 sits beside "
+                        "a KL of ~0.5)")
+    for option, value in (("--head-layers", head_layers), ("--dropout", dropout), ("--argmax-weight", argmax_weight),
+                          ("--init", init)):
         if value is not None and generate_only:
             raise MobcError(f"{option}: it shapes the trained head; --generate-only trains nothing")
     if init is not None:

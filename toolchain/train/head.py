@@ -71,6 +71,8 @@ class HeadConfig:
     dropout: float = 0.0  # on the head's layer inputs and attention weights while training (DraftHead)
     lr_floor: float = 0.1  # cosine decay over the training's time share down to lr_floor * lr (1.0: constant)
     feature_weight: float = 1.0  # smooth-L1 feature loss beside the KL
+    argmax_weight: float = 0.0  # cross-entropy on the target's greedy token beside the KL: a greedy draft must hit
+    # the argmax, and where the target decides narrowly the KL barely tells its top two apart
     unroll: int = 2
     unroll_mode: str = "shift"  # "chain": each unrolled row sees the true prefix and its own chain (chain_losses)
     corpus_tokens: int = 262_144  # most stdlib tokens; the teacher pass stops at its time share first
@@ -166,16 +168,22 @@ def _kl_and_feature(logits: torch.Tensor, n_g: torch.Tensor, t_logp: torch.Tenso
     return _row_mean(kl, keep), _row_mean(F.smooth_l1_loss(n_g, states, reduction="none").mean(-1), keep)
 
 
+def _argmax_ce(logits: torch.Tensor, t_logp: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The cross-entropy of the head's logits [B,T,V] on the teacher's greedy rows, a mean over the kept rows."""
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), t_logp.argmax(-1).flatten(), reduction="none")
+    return _row_mean(ce.view(logits.shape[:2]), keep)
+
+
 def _shift_features(states: torch.Tensor) -> torch.Tensor:
     """Row t's input feature: n_L(t-1); row 0 gets zeros."""
     return torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)
 
 
 def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, unroll: int,
-                feature_weight: float, mode: str = "shift",
-                end: EndOfTurn | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                feature_weight: float, mode: str = "shift", end: EndOfTurn | None = None,
+                argmax_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     if mode == "chain":
-        return chain_losses(head, windows, states, unroll, feature_weight, end)
+        return chain_losses(head, windows, states, unroll, feature_weight, end, argmax_weight)
     positions = torch.arange(windows.shape[1])[None].expand(len(windows), -1)
     with torch.no_grad():
         t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
@@ -185,9 +193,14 @@ def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, un
     for step in range(unroll):
         g = head.forward_train(feats, windows, positions, normalized=True)
         n_g = head.norm(g)
-        kl, feat = _kl_and_feature(F.linear(n_g, head.lm_rows), n_g, t_logp, states, keep)
+        logits = F.linear(n_g, head.lm_rows)
+        kl, feat = _kl_and_feature(logits, n_g, t_logp, states, keep)
         total = total + (kl + feature_weight * feat) / unroll
         parts[f"kl{step}"], parts[f"feat{step}"] = kl.item(), feat.item()
+        if argmax_weight:
+            ce = _argmax_ce(logits, t_logp, keep)
+            total = total + argmax_weight * ce / unroll
+            parts[f"ce{step}"] = ce.item()
         feats = _shift_features(n_g)  # the next pass continues from the head's own features
     return total, parts
 
@@ -202,7 +215,8 @@ def chain_block(head: DraftHead, feats: list[torch.Tensor], toks: list[torch.Ten
 
 
 def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, unroll: int,
-                 feature_weight: float, end: EndOfTurn | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 feature_weight: float, end: EndOfTurn | None = None,
+                 argmax_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """The unroll as the chain policy drafts (EAGLE-3's training-time test): pass a runs the blocks of
     chain_mask, in which row s of block a continues the chain from position s on the head's own features
     of its block a-1 row and the window's true token at s+a, seeing only the true rows up to s and its
@@ -218,10 +232,14 @@ def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, u
     for a in range(unroll):
         n_g = head.norm(chain_block(head, feats, toks, mask))
         rows = t - a  # row s of block a is trained on position s + a: the last a rows have no target
-        kl, feat = _kl_and_feature(F.linear(n_g[:, :rows], head.lm_rows), n_g[:, :rows], t_logp[:, a:],
-                                   states[:, a:], None if keep is None else keep[:, a:])
+        logits, kept = F.linear(n_g[:, :rows], head.lm_rows), None if keep is None else keep[:, a:]
+        kl, feat = _kl_and_feature(logits, n_g[:, :rows], t_logp[:, a:], states[:, a:], kept)
         total = total + (kl + feature_weight * feat) / unroll
         parts[f"kl{a}"], parts[f"feat{a}"] = kl.item(), feat.item()
+        if argmax_weight:
+            ce = _argmax_ce(logits, t_logp[:, a:], kept)
+            total = total + argmax_weight * ce / unroll
+            parts[f"ce{a}"] = ce.item()
         feats.append(n_g)
         toks.append(torch.cat([windows[:, a + 1 :], windows[:, -1:].expand(-1, a + 1)], 1))  # true token at s+a+1
     return total, parts
@@ -233,7 +251,8 @@ def training_loss(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, 
     per minute on a CPU with AVX512-BF16) while the weights, AdamW's state and the teacher stay fp32.
     `end`: count each window's rows only up to the target's end-of-turn (cfg.until_end_of_turn)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-        return head_losses(head, windows, states, cfg.unroll, cfg.feature_weight, cfg.unroll_mode, end)[0]
+        return head_losses(head, windows, states, cfg.unroll, cfg.feature_weight, cfg.unroll_mode, end,
+                           cfg.argmax_weight)[0]
 
 
 @torch.no_grad()

@@ -662,3 +662,27 @@ def test_the_held_out_table_gives_the_to_end_figure_where_it_was_measured():
     assert header[2] == "up to its end-of-turn"
     assert rows == [["stdlib continuations", "2.50", "-", "0.700 0.400 0.250 0.150"],
                     ["answers to self-written chat requests", "2.50", "2.75", "0.700 0.400 0.250 0.150"]]
+
+
+@pytest.mark.parametrize("mode", ["shift", "chain"])
+def test_the_argmax_term_is_the_cross_entropy_on_the_targets_greedy_rows(tmp_path, mode):
+    """--argmax-weight w adds w * CE(head's logits, the target's greedy row) per pass; the first pass's CE is
+    counted here from the head's own forward, only over the rows kept up to the target's end-of-turn."""
+    import torch.nn.functional as F
+
+    target, head, windows, states = _tiny_head_and_batch(tmp_path)
+    end = EndOfTurn(row=5, first=3)
+    states[0, 6] = 40 * head.lm_rows[end.row] / head.lm_rows[end.row].norm()  # the target ends window 0 at 6
+    base, base_parts = head_losses(head, windows, states, 2, 1.0, mode=mode, end=end)
+    loss, parts = head_losses(head, windows, states, 2, 1.0, mode=mode, end=end, argmax_weight=0.7)
+    assert "ce0" not in base_parts and {k: parts[k] for k in base_parts} == pytest.approx(base_parts, rel=1e-6)
+    assert loss.item() == pytest.approx(base.item() + 0.7 * (parts["ce0"] + parts["ce1"]) / 2, rel=1e-5)
+    with torch.no_grad():
+        greedy = F.linear(states, head.lm_rows).argmax(-1)
+        keep = rows_until_end(greedy == end.row, end.first)
+        feats = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], 1)
+        logp = F.log_softmax(F.linear(head.norm(head.forward_train(
+            feats, windows, torch.arange(12)[None].expand(2, -1), normalized=True)), head.lm_rows), -1)
+        ce = -logp.gather(-1, greedy[..., None])[..., 0]
+    assert parts["ce0"] == pytest.approx(ce[keep].mean().item(), rel=1e-5)
+    assert parts["ce0"] != pytest.approx(ce.mean().item(), rel=1e-3)  # the rows after the end do not count
