@@ -177,6 +177,10 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
                         (("--dropout", "-0.1"), "--dropout -0.1: give a rate from 0"),
                         (("--dropout", "0.1", "--generate-only", "--onpolicy-cache", "x.pt"),
                          "--dropout: it shapes the trained head"),
+                        (("--argmax-weight", "-1"), "--argmax-weight -1.0: give a weight from 0"),
+                        (("--argmax-weight", "11"), "--argmax-weight 11.0: give a weight from 0"),
+                        (("--argmax-weight", "1", "--generate-only", "--onpolicy-cache", "x.pt"),
+                         "--argmax-weight: it shapes the trained head"),
                         (("--checkpoint", "c.pt"), "--checkpoint c.pt: a run resumes step for step, so give it "
                          "with --steps N"),
                         (("--init", tmp_path / "nohead"), "nohead: no head there"),
@@ -202,6 +206,8 @@ def test_head_training_shares_are_checked_before_any_work(tmp_path):
     assert r.clean_error and "--head-layers: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--dropout", "0.1")
     assert r.clean_error and "--dropout: it is for --kind head" in r.err and not out.exists()
+    r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--argmax-weight", "1")
+    assert r.clean_error and "--argmax-weight: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--out", out, "--checkpoint", "c.pt")
     assert r.clean_error and "--checkpoint: it is for --kind head" in r.err and not out.exists()
     r = run_main("train", "draft", RECIPES / "smollm2-135m.yaml", "--kind", "head", "--generate-only")
@@ -217,10 +223,11 @@ _EXTRA = ("--onpolicy-extra", RECIPES / "smollm2-135m.yaml")  # a file that exis
     ("dropout", [(("--dropout", "0.1"), 0.1), ((), 0.0)]),
     ("init", [(("--init", SHIPPED_HEAD), str(SHIPPED_HEAD)), ((), None)]),
     ("lr", [(("--lr", "3e-4"), 3e-4), ((), 1e-3)]),
+    ("argmax_weight", [(("--argmax-weight", "0.5"), 0.5), ((), 0.0)]),
 ])
 def test_head_options_reach_the_head_training(tmp_path, monkeypatch, field, runs):
-    """--extra-held-out N, --head-layers N and --dropout P are the HeadConfig the training runs with (defaults
-    without them)."""
+    """--extra-held-out N, --head-layers N, --dropout P, --init, --lr and --argmax-weight W are the HeadConfig the
+    training runs with (defaults without them)."""
     seen = []
 
     def stop(_recipe, _out, cfg, log=None):
