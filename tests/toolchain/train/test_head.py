@@ -577,8 +577,9 @@ def test_the_shipped_extra_rounds_read_as_new_answers_beside_the_shipped_round_0
 
 
 def test_the_shipped_head_recipes_name_the_command_its_report_records():
-    """made_by is how a user re-creates the shipped head: every option it gives must be what the training ran
-    with (its head_report.json's config), in both recipes of those weights."""
+    """made_by is how a user re-creates the shipped head: every option of its last command must be what the
+    training ran with (its head_report.json's config), in both recipes of those weights; a last command that goes
+    on from a head (--init) goes on from the one the command before it wrote."""
     import re
     import shlex
     from pathlib import Path
@@ -589,7 +590,8 @@ def test_the_shipped_head_recipes_name_the_command_its_report_records():
     config = json.loads((root / "assets" / "heads" / "smollm2-135m" / REPORT_FILE).read_text())["config"]
     for name in ("smollm2-135m-head.yaml", "smollm2-135m-head-cpu.yaml"):
         made_by = load_recipe(root / "recipes" / name).head.made_by
-        words = shlex.split(re.search(r"`(mobc train draft [^`]*)`", made_by).group(1))
+        commands = [shlex.split(c) for c in re.findall(r"`(mobc train draft [^`]*)`", made_by)]
+        words = commands[-1]
         given: dict[str, list[str]] = {}
         for i, w in enumerate(words):
             if w.startswith("--"):
@@ -597,6 +599,9 @@ def test_the_shipped_head_recipes_name_the_command_its_report_records():
                 given.setdefault(w[2:].replace("-", "_"), []).append("True" if flag else words[i + 1])
         assert given.pop("kind") == ["head"] and given.pop("out") == ["assets/heads/smollm2-135m"]
         given.pop("teacher_cache", None)  # a local scratch file; the report keeps only its name
+        if "init" in given:  # the report keeps the folder's name
+            assert len(commands) > 1 and given["init"] == [commands[-2][commands[-2].index("--out") + 1]], name
+            given["init"] = [Path(given["init"][0]).name]
         assert given, name
         for key, values in given.items():
             want = config[key] if isinstance(config[key], list) else [config[key]]
