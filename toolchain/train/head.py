@@ -168,10 +168,32 @@ def _kl_and_feature(logits: torch.Tensor, n_g: torch.Tensor, t_logp: torch.Tenso
     return _row_mean(kl, keep), _row_mean(F.smooth_l1_loss(n_g, states, reduction="none").mean(-1), keep)
 
 
-def _argmax_ce(logits: torch.Tensor, t_logp: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """The cross-entropy of the head's logits [B,T,V] on the teacher's greedy rows, a mean over the kept rows."""
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), t_logp.argmax(-1).flatten(), reduction="none")
-    return _row_mean(ce.view(logits.shape[:2]), keep)
+def _teacher_rows(head: DraftHead, states: torch.Tensor,
+                  end: EndOfTurn | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The teacher's log-probabilities over the draft vocabulary [B,T,V], its greedy row after each position
+    [B,T] and the rows kept up to its end-of-turn (None: all), once for every unrolled pass."""
+    with torch.no_grad():
+        t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
+        greedy = t_logp.argmax(-1)
+        return t_logp, greedy, None if end is None else rows_until_end(greedy == end.row, end.first)
+
+
+def _pass_loss(logits: torch.Tensor, n_g: torch.Tensor, t_logp: torch.Tensor, greedy: torch.Tensor,
+               states: torch.Tensor, keep: torch.Tensor | None, weights: tuple[float, float, int],
+               parts: dict[str, float], step: int) -> torch.Tensor:
+    """One unrolled pass's share of the loss, its parts recorded under `step`: (KL + feature_weight * feature
+    [+ argmax_weight * the cross-entropy on the teacher's greedy rows]) / unroll, each a mean over the kept
+    rows; `weights` is (feature_weight, argmax_weight, unroll)."""
+    feature_weight, argmax_weight, unroll = weights
+    kl, feat = _kl_and_feature(logits, n_g, t_logp, states, keep)
+    loss = (kl + feature_weight * feat) / unroll
+    parts[f"kl{step}"], parts[f"feat{step}"] = kl.item(), feat.item()
+    if argmax_weight:
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), greedy.flatten(), reduction="none")
+        ce = _row_mean(ce.view(greedy.shape), keep)
+        loss = loss + argmax_weight * ce / unroll
+        parts[f"ce{step}"] = ce.item()
+    return loss
 
 
 def _shift_features(states: torch.Tensor) -> torch.Tensor:
@@ -185,22 +207,14 @@ def head_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, un
     if mode == "chain":
         return chain_losses(head, windows, states, unroll, feature_weight, end, argmax_weight)
     positions = torch.arange(windows.shape[1])[None].expand(len(windows), -1)
-    with torch.no_grad():
-        t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
-        keep = None if end is None else rows_until_end(t_logp.argmax(-1) == end.row, end.first)
+    t_logp, greedy, keep = _teacher_rows(head, states, end)
     feats = _shift_features(states)
     total, parts = 0.0, {}
     for step in range(unroll):
         g = head.forward_train(feats, windows, positions, normalized=True)
         n_g = head.norm(g)
-        logits = F.linear(n_g, head.lm_rows)
-        kl, feat = _kl_and_feature(logits, n_g, t_logp, states, keep)
-        total = total + (kl + feature_weight * feat) / unroll
-        parts[f"kl{step}"], parts[f"feat{step}"] = kl.item(), feat.item()
-        if argmax_weight:
-            ce = _argmax_ce(logits, t_logp, keep)
-            total = total + argmax_weight * ce / unroll
-            parts[f"ce{step}"] = ce.item()
+        total = total + _pass_loss(F.linear(n_g, head.lm_rows), n_g, t_logp, greedy, states, keep,
+                                   (feature_weight, argmax_weight, unroll), parts, step)
         feats = _shift_features(n_g)  # the next pass continues from the head's own features
     return total, parts
 
@@ -223,23 +237,16 @@ def chain_losses(head: DraftHead, windows: torch.Tensor, states: torch.Tensor, u
     own chain; it is trained on the target at s+a. The "shift" unroll instead feeds every row of pass a
     the head's features from pass a-1, its prefix included, which the runtime never does."""
     t = windows.shape[1]
-    with torch.no_grad():
-        t_logp = F.log_softmax(F.linear(states, head.lm_rows), dim=-1)
-        keep = None if end is None else rows_until_end(t_logp.argmax(-1) == end.row, end.first)
+    t_logp, greedy, keep = _teacher_rows(head, states, end)
     mask = chain_mask(t, unroll)
     feats, toks = [_shift_features(states)], [windows]
     total, parts = 0.0, {}
     for a in range(unroll):
         n_g = head.norm(chain_block(head, feats, toks, mask))
         rows = t - a  # row s of block a is trained on position s + a: the last a rows have no target
-        logits, kept = F.linear(n_g[:, :rows], head.lm_rows), None if keep is None else keep[:, a:]
-        kl, feat = _kl_and_feature(logits, n_g[:, :rows], t_logp[:, a:], states[:, a:], kept)
-        total = total + (kl + feature_weight * feat) / unroll
-        parts[f"kl{a}"], parts[f"feat{a}"] = kl.item(), feat.item()
-        if argmax_weight:
-            ce = _argmax_ce(logits, t_logp[:, a:], kept)
-            total = total + argmax_weight * ce / unroll
-            parts[f"ce{a}"] = ce.item()
+        total = total + _pass_loss(F.linear(n_g[:, :rows], head.lm_rows), n_g[:, :rows], t_logp[:, a:],
+                                   greedy[:, a:], states[:, a:], None if keep is None else keep[:, a:],
+                                   (feature_weight, argmax_weight, unroll), parts, a)
         feats.append(n_g)
         toks.append(torch.cat([windows[:, a + 1 :], windows[:, -1:].expand(-1, a + 1)], 1))  # true token at s+a+1
     return total, parts
