@@ -691,3 +691,13 @@ def test_the_argmax_term_is_the_cross_entropy_on_the_targets_greedy_rows(tmp_pat
         ce = -logp.gather(-1, greedy[..., None])[..., 0]
     assert parts["ce0"] == pytest.approx(ce[keep].mean().item(), rel=1e-5)
     assert parts["ce0"] != pytest.approx(ce.mean().item(), rel=1e-3)  # the rows after the end do not count
+    if mode == "chain":  # pass 1, one start at a time: row s continues the chain, on the greedy row at s+1
+        ces = []
+        with torch.no_grad():
+            for s in range(11):
+                pos = torch.arange(s + 2)[None].expand(2, -1)
+                g1 = head.forward_train(feats[:, : s + 1], windows[:, : s + 1], pos[:, :-1])[:, -1:]
+                g2 = head.forward_train(torch.cat([feats[:, : s + 1], head.norm(g1)], 1), windows[:, : s + 2], pos)
+                logp = F.log_softmax(F.linear(head.norm(g2[:, -1]), head.lm_rows), -1)
+                ces.append(-logp.gather(-1, greedy[:, s + 1, None])[:, 0])
+        assert parts["ce1"] == pytest.approx(torch.stack(ces, 1)[keep[:, 1:]].mean().item(), rel=1e-5)
