@@ -106,7 +106,7 @@ def confidence(match: int) -> float:
 # answers to 64 held-out self-written requests and its continuations of 16 held-out stdlib windows, the
 # shipped head drafting, 2602 disagreements): a 2-token match was right less often than the head from a
 # head probability of 0.2 on, a 3-4-token one from 0.5; a longer one about as often from 0.7 and never
-# clearly less. On the 44 bench prompts chain+lookup's tokens per target call went from 2.68 to 2.74 (README).
+# clearly less. On the 44 bench prompts chain+lookup's tokens per target call went from 2.68 to 2.74 (docs/draft-head.md).
 OVERRULE = {2: 0.2, 3: 0.5, 4: 0.5}
 OVERRULE_LONG = 0.9
 

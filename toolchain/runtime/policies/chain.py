@@ -33,7 +33,7 @@ EXTEND_AT = 0.8  # a drafted token's probability from which a round drafts past 
 EXTEND_ROWS = 8  # the most rows such a round's verify call fills (its graph: the widest of at most this many)
 # with +lookup, a context match of at least this many tokens drafts what followed it with no draft call: on the
 # 44 bench prompts (SmolLM2-135M, shipped head, one thread) 1.77x ar against 1.63x without, 2.72 tokens per
-# target call against 2.74 (README)
+# target call against 2.74 (docs/draft-head.md)
 RUN_MATCH = 3
 
 
