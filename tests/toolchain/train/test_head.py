@@ -544,15 +544,8 @@ def test_the_chain_unroll_trains_each_row_on_what_the_chain_policy_would_feed_it
     # the second pass, one start at a time: the true prefix up to s, then the head's own feature for s and the
     # true token at s+1, trained on the target's next token after s+1
     t_logp = F.log_softmax(F.linear(states, head.lm_rows), -1)
-    feats = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], 1)
-    kls = []
-    with torch.no_grad():
-        for s in range(11):
-            pos = torch.arange(s + 2)[None].expand(2, -1)
-            g1 = head.forward_train(feats[:, : s + 1], windows[:, : s + 1], pos[:, :-1])[:, -1:]
-            g2 = head.forward_train(torch.cat([feats[:, : s + 1], head.norm(g1)], 1), windows[:, : s + 2], pos)[:, -1]
-            logp = F.log_softmax(F.linear(head.norm(g2), head.lm_rows), -1)
-            kls.append(F.kl_div(logp, t_logp[:, s + 1], log_target=True, reduction="sum") / 2)
+    logp = _chain_second_pass_logp(head, windows, states)
+    kls = [F.kl_div(logp[:, s], t_logp[:, s + 1], log_target=True, reduction="sum") / 2 for s in range(11)]
     assert parts["kl1"] == pytest.approx(torch.stack(kls).mean().item(), rel=1e-5)  # a position off: 9e-5
     assert parts["kl1"] != pytest.approx(head_losses(head, windows, states, 2, 1.0)[1]["kl1"], rel=1e-3)  # not shift's
 
@@ -694,12 +687,21 @@ def test_the_argmax_term_is_the_cross_entropy_on_the_targets_greedy_rows(tmp_pat
     assert parts["ce0"] == pytest.approx(ce[keep].mean().item(), rel=1e-5)
     assert parts["ce0"] != pytest.approx(ce.mean().item(), rel=1e-3)  # the rows after the end do not count
     if mode == "chain":  # pass 1, one start at a time: row s continues the chain, on the greedy row at s+1
-        ces = []
-        with torch.no_grad():
-            for s in range(11):
-                pos = torch.arange(s + 2)[None].expand(2, -1)
-                g1 = head.forward_train(feats[:, : s + 1], windows[:, : s + 1], pos[:, :-1])[:, -1:]
-                g2 = head.forward_train(torch.cat([feats[:, : s + 1], head.norm(g1)], 1), windows[:, : s + 2], pos)
-                logp = F.log_softmax(F.linear(head.norm(g2[:, -1]), head.lm_rows), -1)
-                ces.append(-logp.gather(-1, greedy[:, s + 1, None])[:, 0])
-        assert parts["ce1"] == pytest.approx(torch.stack(ces, 1)[keep[:, 1:]].mean().item(), rel=1e-5)
+        ces = -_chain_second_pass_logp(head, windows, states).gather(-1, greedy[:, 1:, None])[..., 0]
+        assert parts["ce1"] == pytest.approx(ces[keep[:, 1:]].mean().item(), rel=1e-5)
+
+
+def _chain_second_pass_logp(head, windows: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """The chain unroll's second pass computed one start s at a time, as the chain policy feeds it: the true
+    prefix up to s, then the head's own feature for s and the true token at s+1. Log-probs [B, T-1, V]."""
+    import torch.nn.functional as F
+
+    feats = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], 1)
+    rows = []
+    with torch.no_grad():
+        for s in range(windows.shape[1] - 1):
+            pos = torch.arange(s + 2)[None].expand(len(windows), -1)
+            g1 = head.forward_train(feats[:, : s + 1], windows[:, : s + 1], pos[:, :-1])[:, -1:]
+            g2 = head.forward_train(torch.cat([feats[:, : s + 1], head.norm(g1)], 1), windows[:, : s + 2], pos)[:, -1]
+            rows.append(F.log_softmax(F.linear(head.norm(g2), head.lm_rows), -1))
+    return torch.stack(rows, 1)
