@@ -559,16 +559,16 @@ def test_the_shipped_extra_rounds_read_as_new_answers_beside_the_shipped_round_0
     rounds = sorted(assets.glob("onpolicy-*-r*.pt"), key=lambda p: int(p.stem.rsplit("-r", 1)[1]))
     assert [p.name for p in rounds] == ["onpolicy-1600-r1.pt", "onpolicy-800-r2.pt", "onpolicy-1024-r3.pt",
                                         "onpolicy-1024-r4.pt", "onpolicy-1024-r5.pt", "onpolicy-1024-r6.pt",
-                                        "onpolicy-1536-r7.pt"]
+                                        "onpolicy-1536-r7.pt", "onpolicy-1536-r8.pt"]
     said: list[str] = []
     extra = extra_onpolicy(HeadConfig(onpolicy_extra=tuple(map(str, rounds))), round0["key"]["target"], known, said.append)
-    # one of round 4's answers, two of round 5's and three of round 7's repeat an earlier window (the same
-    # greedy answer to a repeated request): dropped
-    assert extra.shape == (1600 + 800 + 1024 + 1023 + 1022 + 1024 + 1533, 256)
+    # one of round 4's answers, two of round 5's, three of round 7's and four of round 8's repeat an earlier
+    # window (the same greedy answer to a repeated request): dropped
+    assert extra.shape == (1600 + 800 + 1024 + 1023 + 1022 + 1024 + 1533 + 1532, 256)
     assert [s.rsplit("(", 1)[1] for s in said] == ["round 1; 0 already known)", "round 2; 0 already known)",
                                                    "round 3; 0 already known)", "round 4; 1 already known)",
                                                    "round 5; 2 already known)", "round 6; 0 already known)",
-                                                   "round 7; 3 already known)"]
+                                                   "round 7; 3 already known)", "round 8; 4 already known)"]
 
 
 def test_the_shipped_head_recipes_name_the_command_its_report_records():
